@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One H200 call for the core library: the `gpu` tests (log under $OUT) and a first speed probe.
+# Usage on the device machine: bash experiments/gpu/core_check.sh
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 - <<'PY' | tee "$OUT/env.txt"
+import jax, jaxlib, flax, optax, sys
+print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__,
+      "flax", flax.__version__, "optax", optax.__version__)
+print("devices", jax.devices(), jax.devices()[0].device_kind)
+PY
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/env.txt"
+timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu tests/test_gpu.py -q -s -x -p no:cacheprovider \
+  2>&1 | tee "$OUT/gpu_tests.log"
+timeout ${BENCH_TIMEOUT:-200} python3 -m bench.attention --shapes 32x1024x12x64,4x8192x16x128 \
+  --reps 30 --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"

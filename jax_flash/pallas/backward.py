@@ -1,0 +1,157 @@
+"""Executor 2, backward: the FA2 backward as Pallas kernels built on ``tile.py``.
+
+* δ: for ``delta="o"`` one fused FP32 rowsum(dO ∘ O) in XLA; for "dpp" / "o_hp" a kernel that walks
+  the key tiles like the forward.
+* dK/dV: grid (batch, head, key tile); loops over query blocks from the causal diagonal on.
+* dQ: grid (batch, head, query block); loops over key tiles up to the causal diagonal.
+P is recomputed from the saved L, so nothing quadratic in T is stored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .. import tile
+from ..tile import Config
+from .common import compiler_params, interpret_mode
+from .forward import _num_kv_tiles
+
+
+def _row_spec(b_rows):
+    return pl.BlockSpec((None, None, b_rows), lambda b, hh, i: (b, hh, i))
+
+
+def _full_rows_spec(t):
+    return pl.BlockSpec((None, None, t), lambda b, hh, i: (b, hh, 0))
+
+
+def _block_spec(b_rows, d):
+    return pl.BlockSpec((None, b_rows, None, d), lambda b, hh, i: (b, i, hh, 0))
+
+
+def _full_spec(t, d):
+    return pl.BlockSpec((None, t, None, d), lambda b, hh, i: (b, 0, hh, 0))
+
+
+def _name(kind, cfg):
+    return f"jax_flash_{kind}_{cfg.policy.name}"
+
+
+# ------------------------------------------------------------------------------------------------ δ
+def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Config, nk: int):
+    pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
+    i = pl.program_id(2)
+    q = q_ref[...].astype(pol.operand_dtype)
+    do = do_ref[...].astype(pol.operand_dtype)
+    lse = lse_ref[...]
+
+    def body(j, acc):
+        k = k_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
+        v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
+        mask = tile.tile_mask(i * bq, j * bk, bq, bk, cfg)
+        return tile.delta_tile(acc, q, k, v, do, lse, mask, cfg)
+
+    zeros = jnp.zeros((bq,), jnp.float32)
+    init = (zeros,) if cfg.delta == "dpp" else (jnp.zeros(q.shape, jnp.float32), zeros)
+    acc = lax.fori_loop(0, _num_kv_tiles(i, cfg, nk), body, init)
+    out_ref[...] = tile.delta_finish(acc, do, cfg)
+
+
+def delta(q, k, v, o, do, lse, cfg: Config, *, num_warps=None, num_stages=None):
+    """δ ``[B, H, Tq]`` (FP32) for the configured δ mode."""
+    if cfg.delta == "o":
+        return tile.delta_from_o(o, do).transpose(0, 2, 1)
+    bsz, tq, h, d = q.shape
+    tk = k.shape[1]
+    bq, bk = cfg.block_q, cfg.block_k
+    return pl.pallas_call(
+        functools.partial(_delta_kernel, cfg=cfg, nk=tk // bk),
+        grid=(bsz, h, tq // bq),
+        in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
+                  _row_spec(bq)],
+        out_specs=_row_spec(bq),
+        out_shape=jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32),
+        interpret=interpret_mode(),
+        compiler_params=compiler_params(num_warps, num_stages, d, bq, bk),
+        name=_name("delta", cfg),
+    )(q, k, v, do, lse)
+
+
+# ---------------------------------------------------------------------------------------- dK and dV
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: Config,
+                 nq: int):
+    pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
+    j = pl.program_id(2)
+    k = k_ref[...].astype(pol.operand_dtype)
+    v = v_ref[...].astype(pol.operand_dtype)
+    d = k.shape[-1]
+
+    def body(i, acc):
+        rows = pl.ds(i * bq, bq)
+        q = q_ref[rows, :].astype(pol.operand_dtype)
+        do = do_ref[rows, :].astype(pol.operand_dtype)
+        mask = tile.tile_mask(i * bq, j * bk, bq, bk, cfg)
+        return tile.backward_tile_dkdv(*acc, q, k, v, do, lse_ref[rows], delta_ref[rows], mask, cfg)
+
+    # Query blocks entirely above the causal diagonal see none of this key tile.
+    first = (j * bk) // bq if cfg.causal else 0
+    zeros = jnp.zeros((bk, d), jnp.float32)
+    dk, dv = lax.fori_loop(first, nq, body, (zeros, zeros))
+    dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- dQ
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: Config, nk: int):
+    pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
+    i = pl.program_id(2)
+    q = q_ref[...].astype(pol.operand_dtype)
+    do = do_ref[...].astype(pol.operand_dtype)
+    lse, dlt = lse_ref[...], delta_ref[...]
+
+    def body(j, dq):
+        k = k_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
+        v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
+        mask = tile.tile_mask(i * bq, j * bk, bq, bk, cfg)
+        return tile.backward_tile_dq(dq, q, k, v, do, lse, dlt, mask, cfg)
+
+    dq = lax.fori_loop(0, _num_kv_tiles(i, cfg, nk), body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
+
+
+def backward(q, k, v, do, lse, dlt, cfg: Config, *, num_warps=None, num_stages=None):
+    """(dQ, dK, dV) in FP32, ``[B, T, H, D]``."""
+    bsz, tq, h, d = q.shape
+    tk = k.shape[1]
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = tq // bq, tk // bk
+    params = compiler_params(num_warps, num_stages, d, bq, bk)
+    f32 = jnp.float32
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, cfg=cfg, nq=nq),
+        grid=(bsz, h, nk),
+        in_specs=[_full_spec(tq, d), _block_spec(bk, d), _block_spec(bk, d), _full_spec(tq, d),
+                  _full_rows_spec(tq), _full_rows_spec(tq)],
+        out_specs=[_block_spec(bk, d), _block_spec(bk, d)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, f32), jax.ShapeDtypeStruct(v.shape, f32)],
+        interpret=interpret_mode(),
+        compiler_params=params,
+        name=_name("dkdv", cfg),
+    )(q, k, v, do, lse, dlt)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, nk=nk),
+        grid=(bsz, h, nq),
+        in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
+                  _row_spec(bq), _row_spec(bq)],
+        out_specs=_block_spec(bq, d),
+        out_shape=jax.ShapeDtypeStruct(q.shape, f32),
+        interpret=interpret_mode(),
+        compiler_params=params,
+        name=_name("dq", cfg),
+    )(q, k, v, do, lse, dlt)
+    return dq, dk, dv

@@ -1,0 +1,66 @@
+"""Executor 2, forward: a Pallas kernel whose body is ``tile.forward_tile`` in a loop over key tiles.
+
+Grid (batch, head, query block); each program keeps (m, ℓ, acc) for one query block and walks the key
+tiles in order, stopping at the causal diagonal (fully masked tiles are skipped). Triton backend on
+GPU, interpret mode on CPU. Inputs arrive padded to whole blocks in the layout ``[B, T, H, D]``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .. import tile
+from ..tile import Config
+from .common import compiler_params, interpret_mode
+
+
+def _num_kv_tiles(i, cfg: Config, nk: int):
+    """Key tiles that query block i must visit (the causal diagonal ends the loop early)."""
+    if not cfg.causal:
+        return nk
+    return jnp.minimum(nk, pl.cdiv((i + 1) * cfg.block_q, cfg.block_k))
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int):
+    pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
+    i = pl.program_id(2)
+    q = q_ref[...].astype(pol.operand_dtype)
+    d = q.shape[-1]
+
+    def body(j, carry):
+        k = k_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
+        v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
+        mask = tile.tile_mask(i * bq, j * bk, bq, bk, cfg)
+        return tile.forward_tile(carry, q, k, v, mask, cfg)
+
+    carry = lax.fori_loop(0, _num_kv_tiles(i, cfg, nk), body, tile.init_carry(bq, d))
+    o, lse = tile.finish(carry, cfg)
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def forward(q, k, v, cfg: Config, *, o_dtype, num_warps=None, num_stages=None):
+    """Returns O ``[B, Tq, H, D]`` in ``o_dtype`` and L ``[B, H, Tq]`` (FP32)."""
+    bsz, tq, h, d = q.shape
+    tk = k.shape[1]
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = tq // bq, tk // bk
+    kernel = functools.partial(_forward_kernel, cfg=cfg, nk=nk)
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda b, hh, i: (b, i, hh, 0))
+    kv_spec = pl.BlockSpec((None, tk, None, d), lambda b, hh, i: (b, 0, hh, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(bsz, h, nq),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda b, hh, i: (b, hh, i))],
+        out_shape=[jax.ShapeDtypeStruct((bsz, tq, h, d), o_dtype),
+                   jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32)],
+        interpret=interpret_mode(),
+        compiler_params=compiler_params(num_warps, num_stages, d, bq, bk),
+        name=f"jax_flash_fwd_{cfg.policy.name}{'_stable' if cfg.stable else ''}",
+    )(q, k, v)

@@ -1,0 +1,96 @@
+"""Numerics policies: where each rounding of flash attention happens.
+
+One algorithm (``tile.py``) runs under every policy; a policy only says which intermediate values are
+rounded to which dtype. It is a frozen dataclass so it can be a static argument of ``jit`` and of the
+Pallas kernels, and so the two executors cannot disagree about the arithmetic.
+
+Presets (resolved against the input dtype by :func:`make_policy`):
+
+``"fa2"``
+    Production flash-attention numerics (FA2/FA3 CUDA, cuDNN, Triton): S, the row max m, the row sum
+    ℓ and the O accumulator in FP32; P̄ cast to the input dtype right before the P̄·V matmul; O rounded
+    once at the end. Like FA2, scores are kept in log2 units (scale·log2(e) folded into the scale) and
+    ``exp2`` is used.
+``"paper"``
+    The authors' pure-PyTorch kernel under BF16 autocast, operation by operation: S rounded to BF16
+    (after QKᵀ and again after the scale), ``S − m`` rounded to BF16 before an FP32 ``exp``, each tile's
+    P̄·V a BF16 GEMM output, the O and ℓ accumulators (and m) stored in BF16 with their update order,
+    tile sums clamped at 1e-10, ``O /= ℓ`` in BF16, their tie test ``S ≥ bf16(r_m − 1e-3)``, and
+    512-wide key tiles. Natural-log units.
+``"fp32"``
+    The high-precision control: inputs upcast, every step in FP32 (``precision=HIGHEST`` dots); the O
+    kept for the backward's δ is FP32 too. Only the returned O is cast to the input dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+POLICIES = ("fa2", "paper", "fp32")
+
+LOG2E = math.log2(math.e)
+
+# The stable shift moves a tied row's max by at most this many nats (the underflow guard): a tied entry
+# then has P̄ ≥ e^-20 ≈ 2e-9, far above FP32's smallest normal (1.2e-38) and above the authors' 1e-10
+# tile-sum clamp, so no row sum underflows or gets clamped. Below the cap the shift is exactly the
+# paper's (β·r_m or 0).
+MAX_SHIFT_NATS = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    name: str
+    operand_dtype: np.dtype  # dtype of q, k, v (and dO) as matmul operands
+    lp_dtype: np.dtype  # the low-precision dtype that rounding points round to
+    p_dtype: np.dtype  # P̄ (forward) and P, dS (backward) as matmul operands
+    o_residual_dtype: np.dtype  # dtype of the O saved for δ = rowsum(dO ∘ O)
+    log2_units: bool  # scores carried as S·log2(e) and exponentiated with exp2 (FA2 style)
+    round_scores: bool  # S rounded to lp after QKᵀ and after the scale
+    round_shifted: bool  # S − m (and m_old − m_new) rounded to lp before exp
+    round_tile_pv: bool  # each tile's P̄·V product rounded to lp (a low-precision GEMM output)
+    lp_accumulators: bool  # O accumulator, ℓ and m stored in lp between tiles; O /= ℓ in lp
+    tile_sum_floor: float  # clamp(min=…) on each tile's row sum; 0 = none
+    tie_test: str  # "paper": S ≥ lp(r_m − 1e-3); "p_one": lp(P̄) == 1 with P̄ = exp(S − r_m)
+    tie_dtype: np.dtype  # dtype of the "P̄ rounds to 1" test
+    block_k: int  # default key tile (numerics depend on it)
+    block_q: int  # default query tile (rows are independent; speed only)
+
+    @property
+    def fp32_dots(self) -> bool:
+        return self.operand_dtype == np.dtype(np.float32)
+
+
+def _is_16bit(dtype) -> bool:
+    return np.dtype(dtype).itemsize == 2
+
+
+def make_policy(name: str, dtype) -> Policy:
+    """The preset ``name`` resolved for inputs of ``dtype`` (bf16, fp16 or fp32)."""
+    dtype = np.dtype(dtype)
+    f32 = np.dtype(np.float32)
+    bf16 = np.dtype(jnp.bfloat16)
+    if name == "fa2":
+        return Policy(
+            name=name, operand_dtype=dtype, lp_dtype=dtype, p_dtype=dtype, o_residual_dtype=dtype,
+            log2_units=True, round_scores=False, round_shifted=False, round_tile_pv=False,
+            lp_accumulators=False, tile_sum_floor=0.0, tie_test="p_one",
+            tie_dtype=dtype if _is_16bit(dtype) else bf16, block_k=64, block_q=64)
+    if name == "paper":
+        # Autocast runs the GEMMs in BF16 (fp16 inputs keep fp16, as autocast(dtype=float16) would).
+        lp = dtype if _is_16bit(dtype) else bf16
+        return Policy(
+            name=name, operand_dtype=lp, lp_dtype=lp, p_dtype=lp, o_residual_dtype=lp,
+            log2_units=False, round_scores=True, round_shifted=True, round_tile_pv=True,
+            lp_accumulators=True, tile_sum_floor=1e-10, tie_test="paper", tie_dtype=lp,
+            block_k=512, block_q=32)
+    if name == "fp32":
+        return Policy(
+            name=name, operand_dtype=f32, lp_dtype=f32, p_dtype=f32, o_residual_dtype=f32,
+            log2_units=False, round_scores=False, round_shifted=False, round_tile_pv=False,
+            lp_accumulators=False, tile_sum_floor=0.0, tie_test="p_one", tie_dtype=bf16,
+            block_k=64, block_q=64)
+    raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")

@@ -1,0 +1,251 @@
+"""The arithmetic of one (query block × key tile) step — written once, run by both executors.
+
+Every function here is plain ``jax.numpy`` on 2-D tiles: the Pallas kernels call them inside the kernel
+body (traced into Triton on GPU, interpreted on CPU) and the jnp executor calls them under ``vmap``
+inside a ``fori_loop``. The policy (``policy.py``) decides every rounding point, so the two executors
+compute the same bits by construction.
+
+Shapes: q ``[bq, D]``, k and v ``[bk, D]``, mask ``[bq, bk]`` (True = attend), per-row vectors ``[bq]``.
+All values are FP32 arrays; low-precision intermediates are FP32 containers holding rounded values.
+
+Units: under a ``log2_units`` policy the scores, row maxima and the saved L are in log2 units
+(S·log2 e) and exponentiated with ``exp2``; otherwise natural units with ``exp``. Probabilities are the
+same either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .policy import LOG2E, MAX_SHIFT_NATS, Policy
+from .rounding import round_to
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything static about one attention call (hashable: a jit / custom_vjp static argument)."""
+
+    policy: Policy
+    causal: bool
+    stable: bool
+    beta: float
+    sm_scale: float
+    delta: str  # "o" | "o_hp" | "dpp"
+    block_q: int
+    block_k: int
+    q_len: int  # true (unpadded) lengths; tails beyond them are masked
+    kv_len: int
+
+    @property
+    def score_scale(self) -> float:
+        """Multiplier from raw q·k to the policy's score units."""
+        return self.sm_scale * (LOG2E if self.policy.log2_units else 1.0)
+
+    @property
+    def max_shift(self) -> float:
+        return MAX_SHIFT_NATS * (LOG2E if self.policy.log2_units else 1.0)
+
+
+class Carry(NamedTuple):
+    m: jax.Array  # [bq] running max (the shift actually used)
+    l: jax.Array  # [bq] running row sum of P̄
+    acc: jax.Array  # [bq, D] running Σ P̄·V
+
+
+# ---------------------------------------------------------------------------------------------- dots
+def _precision(pol: Policy):
+    # FP32 operands must not silently become TF32 on GPU.
+    return lax.Precision.HIGHEST if pol.fp32_dots else None
+
+
+def dot_nn(a, b, pol):  # [m, k] @ [k, n]
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=_precision(pol))
+
+
+def dot_nt(a, b, pol):  # [m, k] @ [n, k]ᵀ
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=_precision(pol))
+
+
+def dot_tn(a, b, pol):  # [k, m]ᵀ @ [k, n]
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=_precision(pol))
+
+
+def _exp(x, pol):
+    return jnp.exp2(x) if pol.log2_units else jnp.exp(x)
+
+
+def _log(x: float, pol) -> float:
+    return math.log2(x) if pol.log2_units else math.log(x)
+
+
+# ------------------------------------------------------------------------------------------- forward
+def scores(q, k, cfg: Config):
+    """S = scale·q·kᵀ in the policy's units and rounding (FP32 container)."""
+    pol = cfg.policy
+    s = dot_nt(q, k, pol)
+    if pol.round_scores:  # a BF16 GEMM output, then a BF16 multiply by the scale
+        return round_to(round_to(s, pol.lp_dtype) * cfg.score_scale, pol.lp_dtype)
+    return s * cfg.score_scale
+
+
+def tie_count(s, mask, r_m, cfg: Config):
+    """Per row, the number of unmasked entries "at the max" r_m (masked entries never count).
+
+    ``p_one``: entries whose P̄ = exp(S − r_m) rounds to exactly 1.0 in the tie dtype (BF16: S within
+    ~2⁻⁹ of r_m) — the entries that put exact copies of V rows into Ō. ``paper``: the authors' test
+    ``S ≥ bf16(r_m − 1e-3)`` on BF16 scores.
+    """
+    pol = cfg.policy
+    if pol.tie_test == "paper":
+        at_max = s >= round_to(r_m - 1e-3, pol.lp_dtype)[:, None]
+    else:
+        # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
+        # ⟺  x ≥ log(1 − eps/4): a compare instead of an exp per entry, the same on every backend.
+        eps = float(jnp.finfo(pol.tie_dtype).eps)
+        at_max = (s - r_m[:, None]) >= _log(1.0 - eps / 4.0, pol)
+    return jnp.sum(jnp.where(mask & at_max, 1.0, 0.0), axis=1)
+
+
+def stable_shift(s, mask, r_m, cfg: Config):
+    """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
+
+    Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
+    use r_m. Guard: the shift never exceeds r_m + MAX_SHIFT_NATS, so the tied entries' P̄ stays ≥ e⁻²⁰
+    and no row sum underflows (or hits the 1e-10 clamp) however large β·r_m is.
+    """
+    pol = cfg.policy
+    ties = tie_count(s, mask, r_m, cfg)
+    # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
+    m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
+    target = jnp.where(r_m > 0, round_to(cfg.beta * r_m, m_dtype), 0.0)
+    shifted = jnp.minimum(target, round_to(r_m + cfg.max_shift, m_dtype))
+    return jnp.where((ties > 1) & (r_m != 0), shifted, r_m)
+
+
+def init_carry(bq: int, d: int) -> Carry:
+    return Carry(jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
+                 jnp.zeros((bq, d), jnp.float32))
+
+
+def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
+    """One online-softmax update of (m, ℓ, acc) with key tile (k, v)."""
+    pol = cfg.policy
+    m_old, l_old, acc_old = carry
+    s = jnp.where(mask, scores(q, k, cfg), NEG_INF)
+    r_m = jnp.max(s, axis=1)
+    m_tile = stable_shift(s, mask, r_m, cfg) if cfg.stable else r_m
+    m_new = jnp.maximum(m_old, m_tile)
+    m_ref = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing unmasked yet: avoid -inf - -inf
+    rnd = (lambda x: round_to(x, pol.lp_dtype)) if pol.round_shifted else (lambda x: x)
+    alpha = _exp(rnd(m_old - m_ref), pol)
+    p = _exp(rnd(s - m_ref[:, None]), pol)  # masked entries: exp(-inf) = 0
+    tile_sum = jnp.sum(p, axis=1)
+    if pol.tile_sum_floor:
+        # The authors clamp every tile sum; rows with no unmasked entry in the tile are skipped tiles here.
+        any_key = jnp.max(jnp.where(mask, 1.0, 0.0), axis=1) > 0  # (no boolean reductions in Triton)
+        tile_sum = jnp.where(any_key, jnp.maximum(tile_sum, pol.tile_sum_floor), tile_sum)
+    pv = dot_nn(p.astype(pol.p_dtype), v, pol)
+    if pol.round_tile_pv:
+        pv = round_to(pv, pol.lp_dtype)
+    if pol.lp_accumulators:
+        l_new = round_to(alpha * l_old + tile_sum, pol.lp_dtype)
+        acc_new = round_to(round_to(acc_old * alpha[:, None], pol.lp_dtype) + pv, pol.lp_dtype)
+    else:
+        l_new = alpha * l_old + tile_sum
+        acc_new = acc_old * alpha[:, None] + pv
+    return Carry(m_new, l_new, acc_new)
+
+
+def finish(carry: Carry, cfg: Config):
+    """(O, L) from the final carry. O is FP32 holding the policy's rounding of acc/ℓ.
+
+    L = m + log ℓ (policy units) is what the backward needs to recompute P = exp(S − L). Rows without
+    any unmasked key (padding) get O = 0 and L = +inf, so their recomputed P is 0.
+    """
+    pol = cfg.policy
+    m, l, acc = carry
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o = acc / l_safe[:, None]
+    if pol.lp_accumulators:
+        o = round_to(o, pol.lp_dtype)
+    log_l = jnp.log2(l_safe) if pol.log2_units else jnp.log(l_safe)
+    lse = jnp.where(empty, float("inf"), m + log_l)
+    return o, lse
+
+
+# ------------------------------------------------------------------------------------------ backward
+def probabilities(q, k, lse, mask, cfg: Config):
+    """(S, P) with P = exp(S − L) recomputed from the saved L; masked entries 0."""
+    s = scores(q, k, cfg)
+    return jnp.where(mask, _exp(s - lse[:, None], cfg.policy), 0.0)
+
+
+def delta_tile(acc, q, k, v, do, lse, mask, cfg: Config):
+    """Accumulate one key tile into the δ pass for ``delta`` = "dpp" or "o_hp".
+
+    "dpp": acc = (Σ_j rowsum(dP∘P),) — the paper's alternative δ.
+    "o_hp": acc = (Σ_j P·V in FP32, Σ_j rowsum P) — a high-precision O recomputed from L and renormalised
+    (so a rounded ℓ inside L does not bias it).
+    """
+    pol = cfg.policy
+    p = probabilities(q, k, lse, mask, cfg)
+    if cfg.delta == "dpp":
+        dp = dot_nt(do, v, pol)
+        return (acc[0] + jnp.sum(dp * p, axis=1),)
+    hp = dataclasses.replace(pol, operand_dtype=jnp.dtype(jnp.float32))
+    pv = dot_nn(p, v.astype(jnp.float32), hp)
+    return (acc[0] + pv, acc[1] + jnp.sum(p, axis=1))
+
+
+def delta_finish(acc, do, cfg: Config):
+    if cfg.delta == "dpp":
+        return acc[0]
+    o_hp = acc[0] / jnp.where(acc[1] == 0.0, 1.0, acc[1])[:, None]
+    return jnp.sum(do.astype(jnp.float32) * o_hp, axis=1)
+
+
+def delta_from_o(o, do):
+    """δ = rowsum(dO ∘ O) in FP32 with the stored O (the faithful FA2 δ)."""
+    return jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+
+
+def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask, cfg: Config):
+    """Accumulate one query block's contribution to (dK, dV) of a key tile. dK lacks the sm_scale."""
+    pol = cfg.policy
+    p = probabilities(q, k, lse, mask, cfg)
+    dv = dv + dot_tn(p.astype(pol.p_dtype), do, pol)
+    dp = dot_nt(do, v, pol)
+    ds = p * (dp - delta[:, None])
+    dk = dk + dot_tn(ds.astype(pol.p_dtype), q, pol)
+    return dk, dv
+
+
+def backward_tile_dq(dq, q, k, v, do, lse, delta, mask, cfg: Config):
+    """Accumulate one key tile's contribution to dQ of a query block. dQ lacks the sm_scale."""
+    pol = cfg.policy
+    p = probabilities(q, k, lse, mask, cfg)
+    dp = dot_nt(do, v, pol)
+    ds = p * (dp - delta[:, None])
+    return dq + dot_nn(ds.astype(pol.p_dtype), k, pol)
+
+
+def tile_mask(q_start, k_start, bq: int, bk: int, cfg: Config):
+    """[bq, bk] mask of a tile: keys inside kv_len, and key ≤ query when causal."""
+    rows = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    cols = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    mask = cols < cfg.kv_len
+    if cfg.causal:
+        mask = mask & (cols <= rows)
+    return mask

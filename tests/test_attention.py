@@ -1,0 +1,328 @@
+"""jax_flash.attention against an independent float64 NumPy reference, and the two executors against
+each other. Small shapes: the Pallas kernels run in interpret mode on CPU."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash as jf
+
+BF16 = jnp.bfloat16
+
+# ‖out − ref‖ / ‖ref‖ bounds for bf16 inputs (fp32 inputs for "fp32"): BF16 storage of O / dQ / dK / dV
+# alone costs ~2e-3; "paper" adds BF16 scores, accumulators and per-tile GEMM outputs.
+FWD_TOL = {"fa2": 1e-2, "paper": 2.5e-2, "fp32": 1e-2}
+GRAD_TOL = {"fa2": 2e-2, "paper": 4e-2, "fp32": 1.5e-2}
+FP32_TOL = 2e-5  # fp32 inputs under the fp32 policy
+
+
+def rel(a, b):
+    """‖a − b‖ / ‖b‖, with ‖b‖ floored at 1 (an exact zero, e.g. dQ of a one-token row)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1.0))
+
+
+def make_qkv(rng, shape, dtype=BF16, n=3):
+    return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(n))
+
+
+def run(q, k, v, do, **kw):
+    o, vjp = jax.vjp(lambda q, k, v: jf.attention(q, k, v, **kw), q, k, v)
+    return (o,) + vjp(do)
+
+
+def check_against_reference(q, k, v, do, fwd_tol, grad_tol, **kw):
+    outs = run(q, k, v, do, **kw)
+    refs = jf.reference_numpy(q, k, v, do, causal=kw.get("causal", True),
+                              sm_scale=kw.get("sm_scale"))
+    for name, out, ref in zip(("O", "dQ", "dK", "dV"), outs, refs):
+        assert out.dtype == q.dtype, name
+        assert np.all(np.isfinite(np.asarray(out, np.float32))), name
+        tol = fwd_tol if name == "O" else grad_tol
+        assert rel(out, ref) < tol, (name, rel(out, ref), kw)
+    return outs
+
+
+# -------------------------------------------------------------------------------- against float64
+@pytest.mark.parametrize("policy,stable,impl,causal", list(itertools.product(
+    ("fa2", "paper", "fp32"), (False, True), ("jnp", "pallas"), (True, False))))
+def test_matches_float64_reference(rng, policy, stable, impl, causal):
+    # Odd length, several key tiles (block 16), tail tiles masked.
+    q, k, v, do = make_qkv(rng, (2, 37, 2, 32), n=4)
+    check_against_reference(q, k, v, do, FWD_TOL[policy], GRAD_TOL[policy], policy=policy,
+                            stable=stable, impl=impl, causal=causal, block_q=16, block_k=16)
+
+
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+@pytest.mark.parametrize("delta", ["o", "o_hp", "dpp"])
+def test_fp32_inputs_fp32_policy_tight(rng, impl, delta):
+    q, k, v, do = make_qkv(rng, (1, 45, 2, 32), jnp.float32, n=4)
+    check_against_reference(q, k, v, do, FP32_TOL, FP32_TOL, policy="fp32", impl=impl,
+                            delta=delta, block_q=16, block_k=16)
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+@pytest.mark.parametrize("delta", ["o_hp", "dpp"])
+def test_delta_switches_match_reference(rng, policy, delta):
+    q, k, v, do = make_qkv(rng, (2, 40, 2, 32), n=4)
+    check_against_reference(q, k, v, do, FWD_TOL[policy], GRAD_TOL[policy], policy=policy,
+                            delta=delta, impl="jnp", block_q=16, block_k=16)
+
+
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_head_dim_128_and_fp16(rng, impl):
+    q, k, v, do = make_qkv(rng, (1, 33, 1, 128), jnp.float16, n=4)
+    check_against_reference(q, k, v, do, FWD_TOL["fa2"], GRAD_TOL["fa2"], impl=impl, block_q=16,
+                            block_k=16)
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper"])
+def test_single_token_and_default_blocks(rng, policy):
+    for t in (1, 2, 17):
+        q, k, v, do = make_qkv(rng, (2, t, 3, 64), n=4)
+        check_against_reference(q, k, v, do, FWD_TOL[policy], GRAD_TOL[policy], policy=policy)
+
+
+def test_cross_attention_non_causal(rng):
+    q, do = make_qkv(rng, (2, 19, 2, 32), n=2)
+    k, v = make_qkv(rng, (2, 44, 2, 32), n=2)
+    for impl in ("jnp", "pallas"):
+        check_against_reference(q, k, v, do, FWD_TOL["fa2"], GRAD_TOL["fa2"], causal=False,
+                                impl=impl, block_q=16, block_k=16)
+
+
+def test_reference_attention_matches_numpy(rng):
+    q, k, v = make_qkv(rng, (2, 21, 2, 16), jnp.float32)
+    for causal in (True, False):
+        out = jf.reference_attention(q, k, v, causal=causal)
+        assert rel(out, jf.reference_numpy(q, k, v, causal=causal)) < 1e-6
+
+
+# ------------------------------------------------------------------------------ executors agree
+def tied_inputs(rng, shape, dtype=BF16, score=8.0):
+    """Random inputs plus a dominant pair of identical keys (positions 3 and 5): every row that sees
+    both has a tied maximum of about ``score``."""
+    q, k, v = (np.asarray(rng.standard_normal(shape), np.float32) for _ in range(3))
+    d = shape[-1]
+    direction = rng.standard_normal(d).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    q = q * 0.3 + direction * 4.0  # every query points along `direction`
+    key = direction * score * np.sqrt(d) / 4.0
+    k[:, 3] = key
+    k[:, 5] = key
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def assert_within_ulps(a, b, min_equal, ulps):
+    eps = float(jnp.finfo(a.dtype).eps)  # one ulp of x is at most eps·|x|
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.mean(a == b) >= min_equal, np.mean(a == b)
+    assert np.all(np.abs(a - b) <= ulps * eps * np.maximum(np.abs(a), np.abs(b)))
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+@pytest.mark.parametrize("stable", [False, True])
+def test_pallas_matches_jnp_bitwise_or_ulps(rng, dtype, policy, stable):
+    """The interpreted kernel and the jnp executor run the same tile code with the same rounding
+    points. Documented exception: XLA:CPU chooses its GEMM kernel by problem size (the jnp executor
+    batches many tiles into one dot), so the FP32 sums inside a dot can be ordered differently and
+    differ in the last bit. Measured on 6 seeds × 3 dtypes at 2×50×2×32: "paper" always bitwise
+    (its BF16 roundings absorb FP32 ulps); "fa2" bitwise for BF16, 0–2 of 6400 elements off by one
+    ulp for FP16, ~1/3 of elements a few ulps off for FP32 operands ("fp32", "fa2" on FP32 inputs).
+    Asserted: 16-bit outputs ≥ 99.5 % bitwise and all within 1 ulp; FP32 operands within 8 ulps."""
+    q, k, v = tied_inputs(rng, (2, 50, 2, 32), dtype)
+    kw = dict(policy=policy, stable=stable, block_q=16, block_k=16)
+    o_jnp, l_jnp = jf.attention_with_lse(q, k, v, impl="jnp", **kw)
+    o_pl, l_pl = jf.attention_with_lse(q, k, v, impl="pallas", **kw)
+    fp32_operands = policy == "fp32" or (dtype == jnp.float32 and policy == "fa2")
+    if fp32_operands:  # last-bit differences of several dots accumulate over the key tiles
+        assert_within_ulps(o_jnp, o_pl, min_equal=0.2, ulps=8)
+    else:
+        assert_within_ulps(o_jnp, o_pl, min_equal=0.995, ulps=1)
+    # L = m + log ℓ: besides the above, XLA:CPU's vectorised and scalar log may differ by an ulp.
+    np.testing.assert_allclose(np.asarray(l_jnp), np.asarray(l_pl), rtol=1e-6, atol=1e-6)
+
+
+def test_pallas_gradients_match_jnp(rng):
+    q, k, v = tied_inputs(rng, (1, 40, 2, 32))
+    do = jnp.asarray(rng.standard_normal(q.shape), BF16)
+    for delta in ("o", "o_hp", "dpp"):
+        kw = dict(stable=True, delta=delta, block_q=16, block_k=16)
+        a = run(q, k, v, do, impl="jnp", **kw)
+        b = run(q, k, v, do, impl="pallas", **kw)
+        for x, y in zip(a[1:], b[1:]):
+            assert rel(x, y) < 5e-3, delta  # bf16 storage of the gradients; FP32 accumulation inside
+
+
+# --------------------------------------------------------------------------------- stable shift
+def tie_free_inputs(rng, shape):
+    """Inputs whose every score row has its maximum ≥ 0.3 above the runner-up (no tie under any
+    policy's test): q_i ≈ a_i·u and k_j ≈ c_j·u with increasing c_j, so row i peaks at key i."""
+    b, t, h, d = shape
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    a = rng.uniform(0.5, 1.5, (b, t, h, 1))
+    c = (np.arange(t) * 0.7 + rng.uniform(0, 0.1, t))[None, :, None, None]
+    root = d ** 0.25  # S = (q·k)/√d = a_i·c_j
+    q = a * u * root + 0.01 * rng.standard_normal(shape)
+    k = c * u * root + 0.01 * rng.standard_normal(shape)
+    v = rng.standard_normal(shape)
+    return tuple(jnp.asarray(x, BF16) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_stable_is_bitwise_baseline_without_ties(rng, policy, impl):
+    q, k, v = tie_free_inputs(rng, (1, 12, 2, 16 * 2))
+    do = jnp.asarray(rng.standard_normal(q.shape), BF16)
+    kw = dict(policy=policy, impl=impl, block_q=16, block_k=16)
+    base = run(q, k, v, do, stable=False, **kw)
+    stab = run(q, k, v, do, stable=True, **kw)
+    for a, b in zip(base, stab):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper"])
+def test_stable_changes_only_tie_rows(rng, policy):
+    q, k, v = tied_inputs(rng, (2, 40, 2, 32))
+    kw = dict(policy=policy, impl="jnp", block_q=16, block_k=64)  # one key tile: the pair shares it
+    base = np.asarray(jf.attention(q, k, v, stable=False, **kw), np.float32)
+    stab = np.asarray(jf.attention(q, k, v, stable=True, **kw), np.float32)
+    # Rows 0..4 see at most one of the identical keys (3 and 5): no tie, identical bits.
+    np.testing.assert_array_equal(base[:, :5], stab[:, :5])
+    # Rows ≥ 5 have the tied maximum; the shift must have changed some of them.
+    assert np.any(base[:, 5:] != stab[:, 5:])
+    ref = jf.reference_numpy(q, k, v)
+    assert rel(stab, ref) < FWD_TOL[policy]
+
+
+def check_large_tied_max(rng, policy, beta, score, impl, heads=2):
+    """Tied maxima of ``score`` with β: everything finite, O and dV accurate, dQ and dK accurate given
+    the stored O. (With saturated rows the exact dQ is ~0, and a δ = rowsum(dO∘O) from a BF16 O leaves
+    an error α·(δ_lp − δ_hp)·P·K that grows with ‖K‖ — the paper's mechanism, there with and without
+    the shift — so dQ, dK are compared with the exact gradient given that δ; with "o_hp" against the
+    exact gradient itself.)"""
+    q, k, v = tied_inputs(rng, (1, 24, heads, 32), score=score)
+    do = jnp.asarray(rng.standard_normal(q.shape), BF16)
+    s = jf.reference.scores_numpy(q, k)
+    assert np.nanmax(np.where(np.isfinite(s), s, np.nan)) > score * 0.8
+    refs = jf.reference_numpy(q, k, v, do)
+    kw = dict(policy=policy, beta=beta, impl=impl, block_q=16, block_k=32)
+    stab = run(q, k, v, do, stable=True, **kw)
+    for x in stab:
+        assert np.isfinite(np.asarray(x, np.float32)).all()
+    assert rel(stab[0], refs[0]) < FWD_TOL[policy]
+    assert rel(stab[3], refs[3]) < GRAD_TOL[policy]
+    # dQ = α·dS·K sums terms that cancel (exactly, for the tied pair of identical keys), so its error
+    # is measured against the size of the terms, α·|dS|·|K| (and α·|dS|ᵀ·|Q| for dK).
+    given = jf.reference_numpy(q, k, v, do, o_for_delta=None if policy == "fp32" else stab[0])
+    p, _ = jf.reference._probs64(q, k, True, None)
+    dp = np.einsum("bqhd,bkhd->bhqk", np.asarray(do, np.float64), np.asarray(v, np.float64))
+    ds = np.abs(p * dp) + p * np.abs(np.einsum("bqhd,bqhd->bhq", np.asarray(do, np.float64),
+                                               np.asarray(refs[0]))[..., None])
+    alpha = 1 / np.sqrt(q.shape[-1])
+    size_dq = alpha * np.einsum("bhqk,bkhd->bqhd", ds, np.abs(np.asarray(k, np.float64)))
+    size_dk = alpha * np.einsum("bhqk,bqhd->bkhd", ds, np.abs(np.asarray(q, np.float64)))
+    for i, size in ((1, size_dq), (2, size_dk)):
+        err = np.asarray(stab[i], np.float64) - given[i]
+        assert np.linalg.norm(err) / np.linalg.norm(size) < GRAD_TOL[policy], i
+    # δ from a high-precision O removes the amplified δ error: dQ, dK near the exact gradient.
+    hp = run(q, k, v, do, stable=True, delta="o_hp", **kw)
+    for i, size in ((1, size_dq), (2, size_dk)):
+        err = np.asarray(hp[i], np.float64) - refs[i]
+        assert np.linalg.norm(err) / np.linalg.norm(size) < GRAD_TOL[policy], i
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+@pytest.mark.parametrize("beta", [2.0, 7.0])
+@pytest.mark.parametrize("score", [50.0, 120.0])
+def test_stable_accurate_with_large_tied_max(rng, policy, beta, score):
+    """The underflow guard: tied maxima of 50–120 with β = 2 and 7 ((β−1)·r_m up to 720 nats, far
+    past exp's FP32 range and the authors' 1e-10 clamp)."""
+    check_large_tied_max(rng, policy, beta, score, "jnp")
+
+
+def test_stable_large_tied_max_pallas(rng):
+    for policy in ("fa2", "paper"):
+        check_large_tied_max(rng, policy, 7.0, 80.0, "pallas", heads=1)
+
+
+# ---------------------------------------------------------------------------------- composition
+def test_jit_grad_vmap(rng):
+    q, k, v = make_qkv(rng, (3, 2, 20, 2, 32))  # a leading axis to vmap over
+
+    def loss(q, k, v):
+        return jnp.sum(jf.attention(q, k, v, stable=True, block_q=16, block_k=16)
+                       .astype(jnp.float32) ** 2)
+
+    g_vmap = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v)
+    for i in range(q.shape[0]):
+        g_one = jax.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i])
+        for a, b in zip(g_vmap, g_one):  # equal up to BF16 ulps (XLA:CPU GEMM choice, see above)
+            assert rel(a[i], b) < 1e-2
+
+
+def test_vmap_over_pallas(rng):
+    q, k, v = make_qkv(rng, (2, 1, 20, 1, 32))
+    f = lambda q, k, v: jf.attention(q, k, v, impl="pallas", block_q=16, block_k=16)
+    out = jax.vmap(f)(q, k, v)
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(out[i], np.float32),
+                                      np.asarray(f(q[i], k[i], v[i]), np.float32))
+
+
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_nan_stays_in_its_batch_element(rng, impl):
+    q, k, v = make_qkv(rng, (3, 20, 2, 32))
+    k = k.at[1, 4, 0, 0].set(jnp.nan)
+    o = np.asarray(jf.attention(q, k, v, impl=impl, block_q=16, block_k=16), np.float32)
+    g = jax.grad(lambda q: jnp.sum(jf.attention(q, k, v, impl=impl, block_q=16, block_k=16)
+                                   .astype(jnp.float32)))(q)
+    assert np.isnan(o[1]).any()
+    for b in (0, 2):
+        assert np.isfinite(o[b]).all() and np.isfinite(np.asarray(g[b], np.float32)).all()
+
+
+# ------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(policy="bf16"), ValueError, "unknown policy"),
+    (dict(delta="x"), ValueError, "unknown delta"),
+    (dict(impl="cuda"), ValueError, "unknown impl"),
+    (dict(beta=1.0), ValueError, "beta"),
+    (dict(beta=float("inf")), ValueError, "beta"),
+    (dict(sm_scale=-1.0), ValueError, "sm_scale"),
+    (dict(block_q=24), ValueError, "power of two"),
+    (dict(block_k=8), ValueError, "power of two"),
+])
+def test_bad_arguments(rng, kwargs, exc, msg):
+    q, k, v = make_qkv(rng, (1, 8, 1, 32))
+    with pytest.raises(exc, match=msg):
+        jf.attention(q, k, v, **kwargs)
+
+
+def test_bad_arrays(rng):
+    q, k, v = make_qkv(rng, (1, 8, 2, 32))
+    cases = [
+        ((q[0], k, v), ValueError, "rank 4"),
+        ((q, k[:, :, :1], v), ValueError, "head counts"),
+        ((q, k.astype(jnp.float32), v), TypeError, "one dtype"),
+        ((q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)), TypeError, "bfloat16"),
+        ((q[:1], k[:1], v[:1]), None, None),
+        ((jnp.concatenate([q, q]), k, v), ValueError, "batch"),
+        ((q[..., :16], k, v), ValueError, "head_dim"),
+        ((q[..., :24], k[..., :24], v[..., :24]), ValueError, "unsupported head_dim"),
+        ((q[:, :0], k[:, :0], v[:, :0]), ValueError, "empty"),
+        ((q, k[:, :5], v), ValueError, "sequence lengths"),
+        ((q, k[:, :5], v[:, :5]), ValueError, "causal"),
+        ((np.asarray(q).tolist(), k, v), TypeError, "array"),
+    ]
+    for args, exc, msg in cases:
+        if exc is None:
+            jf.attention(*args)
+            continue
+        with pytest.raises(exc, match=msg):
+            jf.attention(*args)
