@@ -42,7 +42,7 @@ def main(argv=None):
     print("1) accuracy on random inputs (B=2, T=256, H=4, D=64, causal, bf16): ‖O − O_fp64‖/‖O_fp64‖")
     q, k, v = (jnp.asarray(rng.standard_normal((2, 256, 4, 64)), jnp.bfloat16) for _ in range(3))
     exact = jf.reference_numpy(q, k, v)
-    for policy in jf.POLICIES:
+    for policy in ("fa2", "paper", "fp32"):
         for stable in (False, True):
             o = np.asarray(jf.attention(q, k, v, policy=policy, stable=stable), np.float64)
             err = np.linalg.norm(o - exact) / np.linalg.norm(exact)

@@ -20,6 +20,17 @@ Presets (resolved against the input dtype by :func:`make_policy`):
 ``"fp32"``
     The high-precision control: inputs upcast, every step in FP32 (``precision=HIGHEST`` dots); the O
     kept for the backward's δ is FP32 too. Only the returned O is cast to the input dtype.
+``"paper_sr"``, ``"fa2_sr"``
+    "paper" and "fa2" with stochastic rounding (``rounding.stochastic_round_to``, a deterministic
+    pseudo-random dither hashed from the value's bits and position) in place of round-to-nearest-even
+    at the roundings of Ō and O: for "paper_sr" the tile's P̄·V GEMM output, the rescaled and updated
+    BF16 O accumulator and ``O /= ℓ``; for "fa2_sr" the single final rounding of O to the input dtype
+    (hence also the O kept for δ). ℓ, m, S and P̄ keep round-to-nearest-even. BF16 (and FP32) inputs
+    only. Every other rounding point is the base policy's.
+``"paper_sr_all"``
+    "paper_sr" plus stochastic rounding of the BF16 row-sum accumulator ℓ: with Ō alone stochastically
+    rounded, ℓ = bf16(ties + remainder mass) still drops the remainder and biases O away from zero
+    (docs/MECHANISM.md).
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-POLICIES = ("fa2", "paper", "fp32")
+POLICIES = ("fa2", "paper", "fp32", "paper_sr", "fa2_sr", "paper_sr_all")
+# stochastic-rounding variants of "paper" and "fa2" (see above)
+SR_POLICIES = ("paper_sr", "fa2_sr", "paper_sr_all")
 
 LOG2E = math.log2(math.e)
 
@@ -58,6 +71,11 @@ class Policy:
     tie_dtype: np.dtype  # dtype of the "P̄ rounds to 1" test
     block_k: int  # default key tile (numerics depend on it)
     block_q: int  # default query tile (rows are independent; speed only)
+    # Ō / O roundings (tile P̄·V output, O accumulator, O /= ℓ under lp_accumulators; else the final O)
+    # stochastic instead of round-to-nearest-even.
+    stochastic_rounding: bool = False
+    # the lp row-sum accumulator ℓ (lp_accumulators only) stochastically rounded too
+    stochastic_row_sum: bool = False
 
     @property
     def fp32_dots(self) -> bool:
@@ -71,6 +89,13 @@ def _is_16bit(dtype) -> bool:
 def make_policy(name: str, dtype) -> Policy:
     """The preset ``name`` resolved for inputs of ``dtype`` (bf16, fp16 or fp32)."""
     dtype = np.dtype(dtype)
+    if name in SR_POLICIES:
+        if dtype == np.dtype(jnp.float16):
+            raise ValueError(f"policy {name!r}: stochastic rounding is implemented for bfloat16 (and "
+                             "float32) inputs only, got float16")
+        base = make_policy(name.split("_")[0], dtype)
+        return dataclasses.replace(base, name=name, stochastic_rounding=True,
+                                   stochastic_row_sum=name.endswith("_all"))
     f32 = np.dtype(np.float32)
     bf16 = np.dtype(jnp.bfloat16)
     if name == "fa2":

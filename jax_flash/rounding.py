@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def round_to(x, dtype):
@@ -19,3 +20,61 @@ def round_to(x, dtype):
     if np.dtype(dtype).itemsize >= 4:
         return x
     return x.astype(dtype).astype(jnp.float32)
+
+
+# ------------------------------------------------------------------------------- stochastic rounding
+# A stateless, key-free pseudo-random dither: the random bits come from an integer hash of the value's
+# FP32 bit pattern mixed with the element's position in the array (iota), not from a PRNG. Inside a
+# Pallas kernel body (Triton on GPU, interpret mode on CPU) there is no PRNG state to thread through
+# the online-softmax loop, and both executors must compute the same bits; a hash of (bits, position)
+# needs only uint32 multiply/xor/shift, runs everywhere, and is reproducible run to run. It is
+# deterministic: the same value at the same position always rounds the same way. It is unbiased in
+# the sense that matters here: over values whose low bits vary (or over positions), the 16 random bits
+# are independent of the 16 bits being dropped, so P(round up) = dropped / 2¹⁶ and E[SR(x)] = x.
+
+def _lowbias32(h):
+    """A 32-bit integer finaliser (C. Wellons' "lowbias32"): full avalanche with two multiplies."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+_POSITION_MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
+
+
+def _position_hash(shape, salt: int, axes):
+    """uint32 hash of each element's index along ``axes`` (one odd multiplier per axis) and a salt."""
+    h = jnp.full(shape, jnp.uint32(salt & 0xFFFFFFFF), jnp.uint32)
+    for axis in sorted({a % len(shape) for a in axes} if shape else ()):
+        idx = lax.broadcasted_iota(jnp.int32, shape, axis).astype(jnp.uint32)
+        h = h + idx * jnp.uint32(_POSITION_MIX[axis % len(_POSITION_MIX)])
+    return _lowbias32(h)
+
+
+def stochastic_round_to(x, dtype, salt: int = 0, position_axes=(-1,)):
+    """Stochastically round ``x`` to ``dtype`` and return it as FP32 (a no-op for FP32 and wider).
+
+    BF16 only (its values are the FP32 values with 16 zero low bits): 16 pseudo-random bits — the high
+    half of ``lowbias32(bits(x) ^ hash(position, salt))`` — are added to the FP32 bit pattern and the low
+    16 bits truncated. The magnitude rounds up with probability (dropped bits)/2¹⁶, so the expectation
+    over the dither is x (for either sign: the carry goes into the magnitude; a carry into the exponent
+    is the correct next BF16 value, up to +inf above BF16's largest finite value as round-to-nearest
+    would). Values already in BF16 are unchanged; NaN stays NaN. ``salt`` decorrelates the dither of
+    different rounding points in one kernel. ``position_axes``: the axes whose index enters the hash —
+    by default the last one, the feature axis of a ``[rows, head_dim]`` tile, which every tiling keeps
+    whole, so the result does not depend on block sizes or on where a row sits in its query block;
+    ``()`` hashes the value bits alone. See the comment above for why it is a hash, not a PRNG.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.itemsize >= 4:
+        return x
+    if dtype != np.dtype(jnp.bfloat16):
+        raise NotImplementedError(f"stochastic rounding is implemented for bfloat16 only, not {dtype}")
+    x = jnp.asarray(x, jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    noise = _lowbias32(bits ^ _position_hash(x.shape, salt, position_axes)) >> 16
+    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+    y = lax.bitcast_convert_type(rounded, jnp.float32)
+    return jnp.where(x != x, x, y)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .policy import LOG2E, MAX_SHIFT_NATS, Policy
-from .rounding import round_to
+from .rounding import round_to, stochastic_round_to
 
 NEG_INF = float("-inf")
 
@@ -79,6 +79,13 @@ def dot_nt(a, b, pol):  # [m, k] @ [n, k]ᵀ
 def dot_tn(a, b, pol):  # [k, m]ᵀ @ [k, n]
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
                            precision=_precision(pol))
+
+
+def _round_o(x, pol: Policy, salt: int):
+    """A rounding of Ō or O to the policy's lp dtype: stochastic under a ``*_sr`` policy, else RNE."""
+    if pol.stochastic_rounding:
+        return stochastic_round_to(x, pol.lp_dtype, salt)
+    return round_to(x, pol.lp_dtype)
 
 
 def _exp(x, pol):
@@ -157,10 +164,14 @@ def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
         tile_sum = jnp.where(any_key, jnp.maximum(tile_sum, pol.tile_sum_floor), tile_sum)
     pv = dot_nn(p.astype(pol.p_dtype), v, pol)
     if pol.round_tile_pv:
-        pv = round_to(pv, pol.lp_dtype)
+        pv = _round_o(pv, pol, salt=1)
     if pol.lp_accumulators:
-        l_new = round_to(alpha * l_old + tile_sum, pol.lp_dtype)
-        acc_new = round_to(round_to(acc_old * alpha[:, None], pol.lp_dtype) + pv, pol.lp_dtype)
+        l_new = alpha * l_old + tile_sum
+        if pol.stochastic_row_sum:
+            l_new = stochastic_round_to(l_new, pol.lp_dtype, salt=5, position_axes=())  # [bq]: bits only
+        else:
+            l_new = round_to(l_new, pol.lp_dtype)
+        acc_new = _round_o(_round_o(acc_old * alpha[:, None], pol, salt=2) + pv, pol, salt=3)
     else:
         l_new = alpha * l_old + tile_sum
         acc_new = acc_old * alpha[:, None] + pv
@@ -179,7 +190,9 @@ def finish(carry: Carry, cfg: Config):
     l_safe = jnp.where(empty, 1.0, l)
     o = acc / l_safe[:, None]
     if pol.lp_accumulators:
-        o = round_to(o, pol.lp_dtype)
+        o = _round_o(o, pol, salt=4)
+    elif pol.stochastic_rounding:  # "fa2_sr": the final rounding of O, done here so that the
+        o = stochastic_round_to(o, pol.lp_dtype, salt=4)  # executors' cast to lp is then exact
     log_l = jnp.log2(l_safe) if pol.log2_units else jnp.log(l_safe)
     lse = jnp.where(empty, float("inf"), m + log_l)
     return o, lse

@@ -116,6 +116,10 @@ def tied_inputs(rng, shape, dtype=BF16, score=8.0):
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
+def make_policy_dtype(policy, dtype):
+    return jf.make_policy(policy, dtype).lp_dtype
+
+
 def assert_within_ulps(a, b, min_equal, ulps):
     eps = float(jnp.finfo(a.dtype).eps)  # one ulp of x is at most eps·|x|
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -143,8 +147,11 @@ def test_pallas_matches_jnp_bitwise_or_ulps(rng, dtype, policy, stable):
         assert_within_ulps(o_jnp, o_pl, min_equal=0.2, ulps=8)
     else:
         assert_within_ulps(o_jnp, o_pl, min_equal=0.995, ulps=1)
-    # L = m + log ℓ: besides the above, XLA:CPU's vectorised and scalar log may differ by an ulp.
-    np.testing.assert_allclose(np.asarray(l_jnp), np.asarray(l_pl), rtol=1e-6, atol=1e-6)
+    # L = m + log ℓ: besides the above, XLA:CPU's vectorised and scalar log may differ by an ulp, and
+    # under "paper" ℓ is stored in the low-precision dtype, where an FP32 last-bit difference of the
+    # tile sum can flip one rounding (measured: 1 of 200 rows, FP16): one ulp of ℓ, eps in log ℓ.
+    l_tol = 2 * float(jnp.finfo(make_policy_dtype(policy, dtype)).eps) if policy == "paper" else 1e-6
+    np.testing.assert_allclose(np.asarray(l_jnp), np.asarray(l_pl), rtol=1e-6, atol=l_tol)
 
 
 def test_pallas_gradients_match_jnp(rng):
@@ -192,8 +199,13 @@ def test_stable_changes_only_tie_rows(rng, policy):
     kw = dict(policy=policy, impl="jnp", block_q=16, block_k=64)  # one key tile: the pair shares it
     base = np.asarray(jf.attention(q, k, v, stable=False, **kw), np.float32)
     stab = np.asarray(jf.attention(q, k, v, stable=True, **kw), np.float32)
-    # Rows 0..4 see at most one of the identical keys (3 and 5): no tie, identical bits.
-    np.testing.assert_array_equal(base[:, :5], stab[:, :5])
+    # Rows 0..4 see at most one of the identical keys (3 and 5): no tie, identical bits — except rows
+    # whose random scores happen to have a near-tie at their max (kept out; measured: ~1 run in 10).
+    s = np.sort(jf.reference.scores_numpy(q, k), axis=-1)  # [b, h, q, k], -inf where masked
+    accidental = np.any(s[..., -1] - s[..., -2] < 0.05, axis=1)  # [b, q], any head
+    early = ~accidental[:, :5]
+    assert early.sum() >= 5
+    np.testing.assert_array_equal(base[:, :5][early], stab[:, :5][early])
     # Rows ≥ 5 have the tied maximum; the shift must have changed some of them.
     assert np.any(base[:, 5:] != stab[:, 5:])
     ref = jf.reference_numpy(q, k, v)

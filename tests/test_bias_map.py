@@ -1,0 +1,187 @@
+"""The bias map (experiments/bias_map.py) and the stochastic-rounding policies: cells with a known
+answer, the CSV of --quick, and the unbiasedness of the SR rounding helper. Fresh inputs every run."""
+
+import csv
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_flash as jf
+from experiments import bias_map as bm
+from jax_flash.policy import make_policy
+from jax_flash.rounding import round_to, stochastic_round_to
+
+BF16 = jnp.bfloat16
+
+
+def bits_to_f32(bits):
+    return np.asarray(bits, np.uint32).view(np.float32)
+
+
+# --------------------------------------------------------------------------------- the SR helper
+def test_sr_unbiased_where_round_to_nearest_is_not(rng):
+    """Values just above a BF16 halfway point (dropped bits 0x8001–0x80ff): round-to-nearest always
+    rounds the magnitude up (a bias of ~+ulp/2 in magnitude); SR rounds up with probability
+    dropped/2¹⁶ and averages to the value. Both signs, random BF16 high halves, many exponents."""
+    n = 20000
+    hi = rng.integers(0x3C00, 0x4300, n).astype(np.uint32)  # |x| in ~[2⁻⁷, 2⁷)
+    sign = rng.integers(0, 2, n).astype(np.uint32) << 31
+    low = rng.integers(0x8001, 0x8100, n).astype(np.uint32)
+    x = bits_to_f32(sign | (hi << 16) | low)
+    ulp = bits_to_f32((hi << 16) + 0x10000) - bits_to_f32(hi << 16)  # BF16 spacing at |x|
+    mag = lambda y: (np.abs(np.asarray(y, np.float64)) - np.abs(x.astype(np.float64))) / ulp
+    rne = mag(round_to(jnp.asarray(x), BF16))
+    sr = mag(stochastic_round_to(jnp.asarray(x), BF16))
+    assert rne.mean() > 0.45  # always up by ~half an ulp
+    t = sr.mean() / (sr.std() / np.sqrt(n))
+    assert abs(t) < 5, (sr.mean(), t)
+    # Each result is one of the two neighbours, and it is a BF16 value.
+    y = np.asarray(stochastic_round_to(jnp.asarray(x), BF16))
+    assert np.all(y.astype(ml_dtypes.bfloat16).astype(np.float32) == y)
+    assert np.all(np.abs(y - x) < np.abs(ulp))
+
+
+@pytest.mark.parametrize("dropped", [0x0800, 0x3000, 0x8000, 0xF000])
+def test_sr_fixed_value_averages_to_it_over_positions(rng, dropped):
+    """One fixed value along the feature axis (the hashed position, default): the dither varies with
+    the position, so the fraction rounded up is dropped/2¹⁶ (binomial tolerance). Rows of a tile are
+    not hashed (block-size independence): every row rounds alike."""
+    hi = int(rng.integers(0x3F00, 0x4100)) << 16
+    x = jnp.full((4, 8192), float(bits_to_f32(hi | dropped)), jnp.float32)
+    y = np.asarray(stochastic_round_to(x, BF16, salt=int(rng.integers(0, 2**31))))
+    np.testing.assert_array_equal(y[0], y[3])
+    up = np.mean(y[0] > float(x[0, 0]))
+    p = dropped / 65536
+    assert abs(up - p) < 5 * np.sqrt(p * (1 - p) / y.shape[1]), (up, p)
+    assert set(np.unique(y).tolist()) <= {float(bits_to_f32(hi)), float(bits_to_f32(hi + 0x10000))}
+    # position_axes=(): the value's bits alone decide, so one value rounds one way everywhere
+    z = np.asarray(stochastic_round_to(x, BF16, position_axes=()))
+    assert len(np.unique(z)) == 1
+
+
+def test_sr_exact_values_and_specials():
+    x = jnp.asarray([1.5, -4.6875, 0.0, -0.0, jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
+    y = np.asarray(stochastic_round_to(x, BF16))
+    np.testing.assert_array_equal(y[:6], np.asarray(x)[:6])
+    assert np.signbit(y[3]) and np.isnan(y[6])
+    z = jnp.asarray([1.0 + 2**-20], jnp.float32)
+    assert stochastic_round_to(z, jnp.float32) is z  # FP32: a no-op
+    with pytest.raises(NotImplementedError):
+        stochastic_round_to(z, jnp.float16)
+
+
+# ----------------------------------------------------------------------------------- SR policies
+def test_sr_policy_names_and_executors_agree(rng):
+    for name in ("paper", "fa2", "fp32"):
+        assert not make_policy(name, BF16).stochastic_rounding
+    for name in ("paper_sr", "fa2_sr", "paper_sr_all"):
+        pol = make_policy(name, BF16)
+        assert pol.stochastic_rounding and pol.name == name
+        base = make_policy(name.split("_")[0], BF16)
+        assert pol == base.__class__(**{**base.__dict__, "name": name, "stochastic_rounding": True,
+                                        "stochastic_row_sum": name == "paper_sr_all"})
+        with pytest.raises(ValueError, match="bfloat16"):
+            make_policy(name, jnp.float16)
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fp32_sr", BF16)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 40, 2, 32)), BF16) for _ in range(3))
+    exact = jf.reference_numpy(q, k, v)
+    for name in ("paper_sr", "fa2_sr", "paper_sr_all"):
+        kw = dict(policy=name, block_q=16, block_k=16)
+        oj = np.asarray(jf.attention(q, k, v, impl="jnp", **kw), np.float32)
+        op = np.asarray(jf.attention(q, k, v, impl="pallas", **kw), np.float32)
+        np.testing.assert_array_equal(oj, op)  # the hash dither is the same in both executors
+        base = np.asarray(jf.attention(q, k, v, impl="jnp", **{**kw, "policy": name.split("_")[0]}),
+                          np.float32)
+        assert np.any(oj != base)
+        assert np.linalg.norm(oj - exact) / np.linalg.norm(exact) < 2e-2
+
+
+# ------------------------------------------------------------------------------------- the map
+def cell(rng, policy, stable=False, *, ties=2, rows=1024, kv_len=64, gap=13.0, v_mean=-1.5):
+    q, k, v, counts = bm.bias_rows(rng, rows, kv_len=kv_len, ties=ties, gap=gap, v_mean=v_mean)
+    q, k, v = (np.asarray(jnp.asarray(x, BF16)) for x in (q, k, v))
+    do = bm.make_do(rng, np.asarray(v, np.float32))
+    cfg = bm.kernel_config(policy, stable, kv_len)
+    return bm.measure_cell(cfg, (q, k, v, counts), bm.exact(q, k, v), do), (q, k, v)
+
+
+def test_bias_rows_ties(rng):
+    q, k, v, counts = bm.bias_rows(rng, 40, kv_len=512, ties=4)
+    s = np.einsum("nd,ntd->nt", *(np.asarray(jnp.asarray(x, BF16), np.float64) for x in (q, k)))
+    at_max = (s == s.max(axis=1, keepdims=True)).sum(axis=1)
+    np.testing.assert_array_equal(at_max, counts)
+    assert list(counts[:20]) == [4] * 20 and list(counts[20:]) == [1] * 20
+    for i in range(20):  # the tied keys share one aligned 64-key block
+        assert len(set(np.flatnonzero(s[i] == s[i].max()) // 64)) == 1
+
+
+@pytest.mark.parametrize("policy", ["paper", "fa2", "fa2_sr", "paper_sr"])
+def test_kernel_runner_is_jax_flash_attention(rng, policy):
+    """The map's single-row tile loop computes what jax_flash.attention returns."""
+    _, (q, k, v) = cell(rng, policy, rows=64)
+    out = bm.run_kernel(bm.kernel_config(policy, True, 64), q, k, v)
+    o = jf.attention(jnp.asarray(q)[:, None, None], jnp.asarray(k)[:, :, None],
+                     jnp.asarray(v)[:, :, None], causal=False, policy=policy, stable=True, impl="jnp")
+    o = np.asarray(o, np.float64)[:, 0, 0]
+    # XLA:CPU may order an FP32 dot differently for a 1-row and a 16-row query block. Round-to-nearest
+    # hides such last-bit FP32 differences except near halfway points; the SR dither hashes all 32 bits,
+    # so there any FP32 difference re-draws the rounding (still one of the same two BF16 neighbours).
+    assert np.mean(out["o_out"] == o) > (0.8 if policy.endswith("_sr") else 0.99)
+    np.testing.assert_allclose(out["o_out"], o, rtol=2**-6, atol=0)  # ≤ 2 BF16 ulps
+
+
+def test_fp32_policy_has_only_the_final_rounding_bias(rng):
+    row, _ = cell(rng, "fp32")
+    # O as returned = bf16(FP32 O): nothing beyond rounding the exact O once …
+    assert abs(row["o_excess_all_t"]) < 5 and abs(row["o_excess_all_mean"]) < 2e-5
+    assert row["o_tie_mean"] == pytest.approx(row["round_tie_mean"], rel=0.05)
+    # … and that rounding is the +6e-4 halfway bias of two tied negative V rows (PAPER.md §7).
+    assert row["round_tie_mean"] > 2e-4 and row["round_tie_t"] > 8
+    # The O kept for δ is FP32: no δ bias to speak of; the accumulator is unbiased.
+    assert abs(row["delta_tie_mean"]) < 1e-4
+    assert abs(row["obar_tie_mean"]) < 1e-6
+
+
+def test_paper_bias_needs_ties(rng):
+    """PAPER.md §2: under "paper" numerics Ō (and O) of rows with ≥ 2 tied maxima is rounded away from
+    zero (negative for V ~ N(−1.5, 1)). With a unique maximum (ties=1) Ō instead drops the tiny
+    remainder (a smaller bias towards zero, which ℓ's rounding cancels in O): the O bias is ≥ 10× smaller."""
+    tied, _ = cell(rng, "paper", ties=2)
+    single, _ = cell(rng, "paper", ties=1)
+    assert tied["obar_tie_mean"] < -5e-4 and tied["obar_tie_t"] < -15
+    assert tied["o_tie_mean"] < -5e-4 and tied["o_tie_t"] < -15
+    assert single["obar_tie_mean"] > 0 and single["obar_tie_mean"] < abs(tied["obar_tie_mean"]) / 2
+    assert abs(single["o_tie_mean"]) < abs(tied["o_tie_mean"]) / 10
+    assert abs(tied["o_free_mean"]) < abs(tied["o_tie_mean"]) / 10  # tie-free half of the cell
+    assert tied["delta_tie_mean"] > 0 and tied["delta_tie_t"] > 10  # the paper's positive δ bias
+
+
+def test_sr_removes_the_accumulator_and_final_rounding_bias(rng):
+    fa2, _ = cell(rng, "fa2")
+    fa2_sr, _ = cell(rng, "fa2_sr")
+    paper_sr, _ = cell(rng, "paper_sr")
+    assert fa2["o_tie_t"] > 8  # round-to-nearest: the halfway bias
+    assert abs(fa2_sr["o_tie_t"]) < 5 and abs(fa2_sr["o_tie_mean"]) < fa2["o_tie_mean"] / 4
+    assert abs(paper_sr["obar_tie_t"]) < 5
+    # … but under "paper" numerics ℓ = bf16(1 + remainder) drops the remainder: O of tie-free rows is
+    # biased away from zero until ℓ is stochastically rounded too ("paper_sr_all").
+    assert paper_sr["o_free_mean"] < -1.5e-4 and paper_sr["o_free_t"] < -10
+    paper_sr_all, _ = cell(rng, "paper_sr_all")
+    assert abs(paper_sr_all["o_free_t"]) < 5 and abs(paper_sr_all["o_tie_t"]) < 5
+
+
+def test_quick_csv(tmp_path):
+    results = bm.main(["--quick", "--out", str(tmp_path), "--rows", "128"])
+    with open(tmp_path / "bias_map.csv") as f:
+        rows = list(csv.DictReader(f))
+    g = bm.QUICK
+    n_cells = (len(g["policies"]) * len(g["stable"]) * len(g["ties"]) * len(g["v_mean"]) *
+               len(g["gap"]) * len(g["kv_len"]))
+    assert len(rows) == len(results) == n_cells
+    assert list(rows[0].keys()) == bm.COLUMNS
+    assert {r["policy"] for r in rows} == set(g["policies"])
+    assert {r["block_k"] for r in rows if r["policy"].startswith("paper")} == {"64"}  # kv_len 64
+    assert (tmp_path / "bias_map.png").stat().st_size > 10_000
