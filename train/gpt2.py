@@ -415,8 +415,14 @@ def train(cfg: TrainConfig, *, tokens=None, sampler_fn: Callable | None = None,
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+  """The records of ``run_dir/metrics.jsonl`` (or of the gzipped ``metrics.jsonl.gz`` kept in results/)."""
   path = Path(run_dir) / "metrics.jsonl"
-  return [json.loads(l) for l in path.read_text().splitlines() if l]
+  if not path.exists() and path.with_suffix(".jsonl.gz").exists():
+    import gzip
+    text = gzip.decompress(path.with_suffix(".jsonl.gz").read_bytes()).decode()
+  else:
+    text = path.read_text()
+  return [json.loads(l) for l in text.splitlines() if l.strip()]
 
 
 # ----------------------------------------------------------------------------- CLI
