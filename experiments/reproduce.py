@@ -1,0 +1,124 @@
+"""The layer-2 runaway in JAX (MEASURED.md's cheap setting): run arms, then tabulate them.
+
+    python -m experiments.reproduce run --arm fa2 --seed 0 --steps 3000 --out results/repro
+    python -m experiments.reproduce table results/repro [--md docs/REPRODUCTION_TABLE.md]
+
+Configuration: the small-gpu preset (GPT-2 small, 32×1024 tokens/step, AdamW (0.9, 0.95), wd 0,
+clip 1, lr 1e-3 with 500 warmup then cosine over 600 k steps, bf16) on the offline corpus, seed s for
+init and data order (identical across arms of a seed). The causal-chain probe (train/probes.py) runs
+every ``--probe-every`` steps on a fixed batch of 8 held-out windows. Layers are 0-based: the
+paper's "layer 2" is L1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ARMS = {
+    "fa2": ["attention.kind=flash"],
+    "standard": ["attention.kind=standard"],
+    "fa2-stable": ["attention.kind=flash", "attention.stable=true"],
+    "fa2-dpp": ["attention.kind=flash", "attention.delta=dpp"],
+    "fa2-stable-b7": ["attention.kind=flash", "attention.stable=true", "attention.beta=7.0"],
+    "fa2-ohp": ["attention.kind=flash", "attention.delta=o_hp"],
+    "paper": ["attention.kind=flash", "attention.policy=paper"],
+    "paper-stable": ["attention.kind=flash", "attention.policy=paper", "attention.stable=true"],
+    "fp32-attn": ["attention.kind=flash", "attention.policy=fp32"],
+    "flash-l2-only": ["attention.kind=standard", "model.attention_overrides=((1, 'flash'),)"],
+    "standard-l2-only": ["attention.kind=flash", "model.attention_overrides=((1, 'standard'),)"],
+    "fa2-muon": ["attention.kind=flash", "optim.name=muon"],
+}
+LAYER = 1  # the paper's layer 2
+
+
+def run(args):
+    import jax
+
+    from train import config as config_lib
+    from train import data as data_lib
+    from train.gpt2 import train
+    from train.probes import CausalChainProbe
+
+    tokens = data_lib.load_tokens(args.data)
+    run_dir = Path(args.out) / f"{args.arm}-s{args.seed}"
+    cfg = config_lib.apply_overrides(config_lib.get_preset("small-gpu"), ARMS[args.arm] + [
+        f"seed={args.seed}", f"data.seed={args.seed}", f"data.path={args.data}",
+        f"max_steps={args.steps}", f"probe_every={args.probe_every}", f"eval_every={args.probe_every}",
+        f"run_dir={run_dir}", f"checkpoint_every={args.checkpoint_every}", f"resume={args.resume}",
+        f"progress={args.progress}"] + args.overrides)
+    # A fixed probe batch (8 held-out windows), the same at every probe and in every arm.
+    px, py = data_lib.fixed_batch(tokens.val, 8, cfg.data.seq_len or cfg.model.block_size, seed=7)
+    chain = CausalChainProbe(n_seq=8, per_head=True)
+    probe = lambda step, model, batch: chain(step, model, (px, py))
+    summary = train(cfg, tokens=tokens, probes=[probe])
+    summary["device"] = jax.devices()[0].device_kind
+    summary["jax_version"] = jax.__version__
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+def first_step_above(recs, key, threshold):
+    for r in recs:
+        if r.get(key) is not None and r[key] > threshold:
+            return r["step"]
+    return None
+
+
+def table(args):
+    rows = []
+    from train.gpt2 import read_metrics
+
+    runs = [p for p in Path(args.root).iterdir()
+            if (p / "metrics.jsonl").exists() or (p / "metrics.jsonl.gz").exists()]
+    for run_dir in sorted(runs):
+        recs = read_metrics(run_dir)
+        summary = json.loads((run_dir / "summary.json").read_text()) \
+            if (run_dir / "summary.json").exists() else {}
+        probes = [r for r in recs if f"max_logit/L{LAYER}" in r]
+        last = probes[-1] if probes else {}
+        loss_at = {s: next((r["loss"] for r in recs if r["step"] == s), None) for s in (1000, 2000, 3000)}
+        rows.append({
+            "run": run_dir.name, "steps": recs[-1]["step"] if recs else 0,
+            "L1 max logit >100 at": first_step_above(probes, f"max_logit/L{LAYER}", 100),
+            "L1 max logit >1000 at": first_step_above(probes, f"max_logit/L{LAYER}", 1000),
+            "last L1 max logit": last.get(f"max_logit/L{LAYER}"),
+            "last L1 max ‖W_Q‖₂": last.get(f"wq_norm_max/L{LAYER}"),
+            "last L1 tie frac": last.get(f"tie_frac/L{LAYER}"),
+            **{f"loss@{s}": v for s, v in loss_at.items()},
+            "diverged at": summary.get("diverged_at") or f"none by {recs[-1]['step'] if recs else 0}",
+        })
+    cols = list(rows[0]) if rows else []
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else str(v))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--arm", choices=sorted(ARMS), required=True)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--steps", type=int, default=3000)
+    r.add_argument("--probe-every", type=int, default=250)
+    r.add_argument("--checkpoint-every", type=int, default=0)
+    r.add_argument("--resume", default="false")
+    r.add_argument("--progress", default="false")
+    r.add_argument("--data", default="data/full.npz")
+    r.add_argument("--out", default="results/repro")
+    r.add_argument("overrides", nargs="*", help="extra key=value overrides (e.g. model.n_layer=6)")
+    t = sub.add_parser("table")
+    t.add_argument("root")
+    t.add_argument("--md", default=None)
+    args = ap.parse_args(argv)
+    (run if args.cmd == "run" else table)(args)
+
+
+if __name__ == "__main__":
+    main()
