@@ -9,6 +9,7 @@ runs are overlaid (one line style / colour per run) with labels from their confi
 policy, stable / β, δ mode, per-layer overrides). Layers and heads are 0-based (the paper's layer 2 is
 ``--layer 1``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,133 +29,148 @@ STYLES = ["-", "--", ":", "-."]
 
 
 def read_run(run_dir) -> tuple[list[dict], dict]:
-  run_dir = Path(run_dir)
-  recs = read_metrics(run_dir)
-  cfg_path = run_dir / "config.json"
-  cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-  return recs, cfg
+    run_dir = Path(run_dir)
+    recs = read_metrics(run_dir)
+    cfg_path = run_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    return recs, cfg
 
 
 def _spec_label(spec: dict) -> str:
-  kind = spec.get("kind", "?")
-  if kind != "flash":
-    return kind
-  s = f"flash/{spec.get('policy', 'fa2')}"
-  if spec.get("stable"):
-    s += f" stable β={spec.get('beta', 2.0):g}"
-  if spec.get("delta", "o") != "o":
-    s += f" δ={spec['delta']}"
-  return s
+    kind = spec.get("kind", "?")
+    if kind != "flash":
+        return kind
+    s = f"flash/{spec.get('policy', 'fa2')}"
+    if spec.get("stable"):
+        s += f" stable β={spec.get('beta', 2.0):g}"
+    if spec.get("delta", "o") != "o":
+        s += f" δ={spec['delta']}"
+    return s
 
 
 def run_label(cfg: dict, run_dir) -> str:
-  """"flash/fa2 stable β=2 [L1: standard]" from a config.json dict (falls back to the dir name)."""
-  model = cfg.get("model") or {}
-  if "attention" not in model:
-    return Path(run_dir).name
-  label = _spec_label(model["attention"])
-  for ov in model.get("attention_overrides") or ():
-    if len(ov) == 2:
-      label += f" [L{ov[0]}: {_spec_label(ov[1])}]"
-    else:
-      label += f" [L{ov[0]} H{','.join(map(str, ov[1]))}: {_spec_label(ov[2])}]"
-  if model.get("dtype", "bfloat16") != "bfloat16":
-    label += f" {model['dtype']}"
-  return label
+    """ "flash/fa2 stable β=2 [L1: standard]" from a config.json dict (falls back to the dir name)."""
+    model = cfg.get("model") or {}
+    if "attention" not in model:
+        return Path(run_dir).name
+    label = _spec_label(model["attention"])
+    for ov in model.get("attention_overrides") or ():
+        if len(ov) == 2:
+            label += f" [L{ov[0]}: {_spec_label(ov[1])}]"
+        else:
+            label += f" [L{ov[0]} H{','.join(map(str, ov[1]))}: {_spec_label(ov[2])}]"
+    if model.get("dtype", "bfloat16") != "bfloat16":
+        label += f" {model['dtype']}"
+    return label
 
 
 def series(recs, key):
-  """(steps, values) of the records that have ``key``."""
-  pts = [(r["step"], r[key]) for r in recs if key in r and r[key] is not None]
-  if not pts:
-    return np.zeros(0), np.zeros(0)
-  s, v = zip(*pts)
-  return np.asarray(s), np.asarray(v, float)
+    """(steps, values) of the records that have ``key``."""
+    pts = [(r["step"], r[key]) for r in recs if key in r and r[key] is not None]
+    if not pts:
+        return np.zeros(0), np.zeros(0)
+    s, v = zip(*pts)
+    return np.asarray(s), np.asarray(v, float)
 
 
 def _indices(recs, pattern):
-  """Sorted ints captured by ``pattern`` (one group) over all keys of all records."""
-  rx = re.compile(pattern)
-  found = {int(m.group(1)) for r in recs for k in r for m in [rx.fullmatch(k)] if m}
-  return sorted(found)
+    """Sorted ints captured by ``pattern`` (one group) over all keys of all records."""
+    rx = re.compile(pattern)
+    found = {int(m.group(1)) for r in recs for k in r for m in [rx.fullmatch(k)] if m}
+    return sorted(found)
 
 
 def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None) -> Path:
-  runs = [read_run(d) for d in run_dirs]
-  labels = list(labels) if labels else [run_label(cfg, d) for (_, cfg), d in zip(runs, run_dirs)]
-  if len(set(labels)) < len(labels):  # disambiguate identical configs by directory name
-    labels = [f"{lab} ({Path(d).name})" for lab, d in zip(labels, run_dirs)]
-  fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
-  ax_loss, ax_f3, ax_f5, ax_f9, ax_logit, ax_tie = axes.ravel()
-  run_colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-  cmap = plt.get_cmap("tab20")
-  tag = f"L{layer}"
+    runs = [read_run(d) for d in run_dirs]
+    labels = list(labels) if labels else [run_label(cfg, d) for (_, cfg), d in zip(runs, run_dirs)]
+    if len(set(labels)) < len(labels):  # disambiguate identical configs by directory name
+        labels = [f"{lab} ({Path(d).name})" for lab, d in zip(labels, run_dirs)]
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+    ax_loss, ax_f3, ax_f5, ax_f9, ax_logit, ax_tie = axes.ravel()
+    run_colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cmap = plt.get_cmap("tab20")
+    tag = f"L{layer}"
 
-  for i, ((recs, _), lab) in enumerate(zip(runs, labels)):
-    ls, col = STYLES[i % len(STYLES)], run_colors[i % len(run_colors)]
-    s, v = series(recs, "loss")
-    ax_loss.plot(s, v, ls, color=col, lw=1, label=lab)
-    s, v = series(recs, "val_loss")
-    if len(s):
-      ax_loss.plot(s, v, "o", color=col, ms=3)
-    # Figure 3: per-head ||W_Q||_2 of the chosen layer (colour = head, style = run)
-    heads = _indices(recs, rf"wq_norm/{tag}/H(\d+)")
-    for h in heads:
-      s, v = series(recs, f"wq_norm/{tag}/H{h}")
-      ax_f3.plot(s, v, ls, color=cmap(h % 20), lw=1.2, label=f"H{h}" if i == 0 else None)
-    # Figure 5a: cumulative delta error of the chosen layer
-    s, v = series(recs, f"delta_err_cum/{tag}")
-    ax_f5.plot(s, v, ls, color=col, lw=1.2, label=lab)
-    # Figure 9: spectral norm by layer, max over heads (colour = layer, style = run)
-    layers = _indices(recs, r"wq_norm_max/L(\d+)")
-    for l in layers:
-      s, v = series(recs, f"wq_norm_max/L{l}")
-      ax_f9.plot(s, v, ls, color=cmap(l % 20), lw=1.2, label=f"L{l}" if i == 0 else None)
-    s, v = series(recs, f"max_logit/{tag}")
-    ax_logit.plot(s, v, ls, color=col, lw=1.2, label=lab)
-    s, v = series(recs, f"tie_frac/{tag}")
-    ax_tie.plot(s, 100 * v, ls, color=col, lw=1.2, label=lab)
+    for i, ((recs, _), lab) in enumerate(zip(runs, labels)):
+        ls, col = STYLES[i % len(STYLES)], run_colors[i % len(run_colors)]
+        s, v = series(recs, "loss")
+        ax_loss.plot(s, v, ls, color=col, lw=1, label=lab)
+        s, v = series(recs, "val_loss")
+        if len(s):
+            ax_loss.plot(s, v, "o", color=col, ms=3)
+        # Figure 3: per-head ||W_Q||_2 of the chosen layer (colour = head, style = run)
+        heads = _indices(recs, rf"wq_norm/{tag}/H(\d+)")
+        for h in heads:
+            s, v = series(recs, f"wq_norm/{tag}/H{h}")
+            ax_f3.plot(s, v, ls, color=cmap(h % 20), lw=1.2, label=f"H{h}" if i == 0 else None)
+        # Figure 5a: cumulative delta error of the chosen layer
+        s, v = series(recs, f"delta_err_cum/{tag}")
+        ax_f5.plot(s, v, ls, color=col, lw=1.2, label=lab)
+        # Figure 9: spectral norm by layer, max over heads (colour = layer, style = run)
+        layers = _indices(recs, r"wq_norm_max/L(\d+)")
+        for l in layers:
+            s, v = series(recs, f"wq_norm_max/L{l}")
+            ax_f9.plot(s, v, ls, color=cmap(l % 20), lw=1.2, label=f"L{l}" if i == 0 else None)
+        s, v = series(recs, f"max_logit/{tag}")
+        ax_logit.plot(s, v, ls, color=col, lw=1.2, label=lab)
+        s, v = series(recs, f"tie_frac/{tag}")
+        ax_tie.plot(s, 100 * v, ls, color=col, lw=1.2, label=lab)
 
-  ax_loss.set(title="training loss (dots: val)", xlabel="step", ylabel="loss")
-  ax_f3.set(title=f"Fig. 3: per-head ‖W_Q‖₂, layer {layer} (0-based)", xlabel="step",
-            ylabel="spectral norm")
-  ax_f5.set(title=f"Fig. 5a: cumulative Σ(δ_lp − δ_hp), layer {layer}", xlabel="step",
-            ylabel="cumulative sum (probe steps)")
-  ax_f5.axhline(0, color="k", lw=0.5)
-  ax_f9.set(title="Fig. 9: max-head ‖W_Q‖₂ by layer", xlabel="step", ylabel="spectral norm")
-  ax_logit.set(title=f"max attention logit, layer {layer}", xlabel="step", ylabel="max S")
-  ax_tie.set(title=f"rows with a tied max, layer {layer}", xlabel="step", ylabel="% of rows")
-  for ax in axes.ravel():
-    ax.grid(alpha=0.3)
-  ax_loss.legend(fontsize=7)
-  ax_f5.legend(fontsize=7)
-  if ax_f3.get_legend_handles_labels()[0]:
-    ax_f3.legend(fontsize=6, ncol=2, title="colour: head; style: run", title_fontsize=6)
-  if ax_f9.get_legend_handles_labels()[0]:
-    ax_f9.legend(fontsize=6, ncol=2, title="colour: layer; style: run", title_fontsize=6)
-  if title:
-    fig.suptitle(title)
-  fig.tight_layout()
-  out = Path(out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(out, dpi=110)
-  plt.close(fig)
-  return out
+    ax_loss.set(title="training loss (dots: val)", xlabel="step", ylabel="loss")
+    ax_f3.set(
+        title=f"Fig. 3: per-head ‖W_Q‖₂, layer {layer} (0-based)",
+        xlabel="step",
+        ylabel="spectral norm",
+    )
+    ax_f5.set(
+        title=f"Fig. 5a: cumulative Σ(δ_lp − δ_hp), layer {layer}",
+        xlabel="step",
+        ylabel="cumulative sum (probe steps)",
+    )
+    ax_f5.axhline(0, color="k", lw=0.5)
+    ax_f9.set(title="Fig. 9: max-head ‖W_Q‖₂ by layer", xlabel="step", ylabel="spectral norm")
+    ax_logit.set(title=f"max attention logit, layer {layer}", xlabel="step", ylabel="max S")
+    ax_tie.set(title=f"rows with a tied max, layer {layer}", xlabel="step", ylabel="% of rows")
+    for ax in axes.ravel():
+        ax.grid(alpha=0.3)
+    ax_loss.legend(fontsize=7)
+    ax_f5.legend(fontsize=7)
+    if ax_f3.get_legend_handles_labels()[0]:
+        ax_f3.legend(fontsize=6, ncol=2, title="colour: head; style: run", title_fontsize=6)
+    if ax_f9.get_legend_handles_labels()[0]:
+        ax_f9.legend(fontsize=6, ncol=2, title="colour: layer; style: run", title_fontsize=6)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m experiments.plot_run", description=__doc__.split("\n\n")[0])
-  ap.add_argument("runs", nargs="+", metavar="RUN_DIR")
-  ap.add_argument("--out", required=True, help="output PNG")
-  ap.add_argument("--layer", type=int, default=1, help="layer for Fig. 3 / 5a / logit / tie panels "
-                  "(0-based; default 1 = the paper's layer 2)")
-  ap.add_argument("--labels", nargs="*", default=None, help="one label per run (default: from config)")
-  ap.add_argument("--title", default=None)
-  args = ap.parse_args(argv)
-  if args.labels and len(args.labels) != len(args.runs):
-    ap.error("--labels needs one label per run")
-  print(plot_runs(args.runs, args.out, layer=args.layer, labels=args.labels, title=args.title))
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.plot_run", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    ap.add_argument("--out", required=True, help="output PNG")
+    ap.add_argument(
+        "--layer",
+        type=int,
+        default=1,
+        help="layer for Fig. 3 / 5a / logit / tie panels "
+        "(0-based; default 1 = the paper's layer 2)",
+    )
+    ap.add_argument(
+        "--labels", nargs="*", default=None, help="one label per run (default: from config)"
+    )
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.runs):
+        ap.error("--labels needs one label per run")
+    print(plot_runs(args.runs, args.out, layer=args.layer, labels=args.labels, title=args.title))
 
 
 if __name__ == "__main__":
-  main()
+    main()

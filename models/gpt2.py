@@ -19,6 +19,7 @@ head_dim]``.
 Layer indices are 0-based everywhere in this project's configs: the paper's "layer 2" is index 1,
 and the paper's 1-based heads "1, 7, 8, 9, 11, 12" are 0-based heads (0, 6, 7, 8, 10, 11).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,21 +36,22 @@ ATTENTION_KINDS = ("standard", "flash", "cudnn", "xla")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-  """Which attention computes a group of heads, with jax_flash's options for kind="flash".
+    """Which attention computes a group of heads, with jax_flash's options for kind="flash".
 
-  kind: "standard" (softmax in FP32, P.V in the compute dtype: the paper's non-flash baseline),
-    "flash" (``jax_flash.attention``), "cudnn" / "xla" (``jax.nn.dot_product_attention`` with that
-    implementation). Any name registered with ``register_attention`` is accepted too.
-  The remaining fields are passed to ``jax_flash.attention`` and ignored by the other kinds.
-  """
-  kind: str = "standard"
-  policy: str = "fa2"
-  stable: bool = False
-  beta: float = 2.0
-  delta: str = "o"
-  impl: str = "auto"
-  block_q: int | None = None
-  block_k: int | None = None
+    kind: "standard" (softmax in FP32, P.V in the compute dtype: the paper's non-flash baseline),
+      "flash" (``jax_flash.attention``), "cudnn" / "xla" (``jax.nn.dot_product_attention`` with that
+      implementation). Any name registered with ``register_attention`` is accepted too.
+    The remaining fields are passed to ``jax_flash.attention`` and ignored by the other kinds.
+    """
+
+    kind: str = "standard"
+    policy: str = "fa2"
+    stable: bool = False
+    beta: float = 2.0
+    delta: str = "o"
+    impl: str = "auto"
+    block_q: int | None = None
+    block_k: int | None = None
 
 
 # (layer, spec) or (layer, heads, spec); heads: an int, a tuple of ints, a range or a slice.
@@ -57,128 +59,145 @@ Override = tuple
 
 
 def _normalize_heads(heads: Any, n_head: int) -> tuple[int, ...]:
-  if isinstance(heads, int):
-    heads = (heads,)
-  elif isinstance(heads, slice):
-    heads = tuple(range(n_head))[heads]
-  out = tuple(int(h) for h in heads)
-  for h in out:
-    if not 0 <= h < n_head:
-      raise ValueError(f"head index {h} out of range for n_head={n_head}")
-  if not out:
-    raise ValueError("empty head group in an attention override")
-  return out
+    if isinstance(heads, int):
+        heads = (heads,)
+    elif isinstance(heads, slice):
+        heads = tuple(range(n_head))[heads]
+    out = tuple(int(h) for h in heads)
+    for h in out:
+        if not 0 <= h < n_head:
+            raise ValueError(f"head index {h} out of range for n_head={n_head}")
+    if not out:
+        raise ValueError("empty head group in an attention override")
+    return out
 
 
 def _as_spec(spec: Any) -> AttentionSpec:
-  if isinstance(spec, AttentionSpec):
-    return spec
-  if isinstance(spec, dict):  # from JSON / the CLI
-    return AttentionSpec(**spec)
-  if isinstance(spec, str):
-    return AttentionSpec(kind=spec)
-  raise TypeError(f"not an AttentionSpec: {spec!r}")
+    if isinstance(spec, AttentionSpec):
+        return spec
+    if isinstance(spec, dict):  # from JSON / the CLI
+        return AttentionSpec(**spec)
+    if isinstance(spec, str):
+        return AttentionSpec(kind=spec)
+    raise TypeError(f"not an AttentionSpec: {spec!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-  vocab_size: int = 50304
-  block_size: int = 1024
-  n_layer: int = 12
-  n_head: int = 12
-  n_embd: int = 768
-  dtype: str = "bfloat16"        # compute dtype of matmuls / activations
-  param_dtype: str = "float32"   # master weights
-  init_std: float = 0.02
-  attention: AttentionSpec = AttentionSpec()
-  # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
-  #   attention=AttentionSpec("standard"), attention_overrides=((1, AttentionSpec("flash")),)
-  # and FP32 flash for heads 0,6,7,8,10,11 of that layer is
-  #   ((1, AttentionSpec("flash")), (1, (0, 6, 7, 8, 10, 11), AttentionSpec("flash", policy="fp32"))).
-  attention_overrides: tuple[Override, ...] = ()
+    vocab_size: int = 50304
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dtype: str = "bfloat16"  # compute dtype of matmuls / activations
+    param_dtype: str = "float32"  # master weights
+    init_std: float = 0.02
+    attention: AttentionSpec = AttentionSpec()
+    # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
+    #   attention=AttentionSpec("standard"), attention_overrides=((1, AttentionSpec("flash")),)
+    # and FP32 flash for heads 0,6,7,8,10,11 of that layer is
+    #   ((1, AttentionSpec("flash")), (1, (0, 6, 7, 8, 10, 11), AttentionSpec("flash", policy="fp32"))).
+    attention_overrides: tuple[Override, ...] = ()
 
-  def __post_init__(self):
-    if self.n_embd % self.n_head:
-      raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-    object.__setattr__(self, "attention", _as_spec(self.attention))
-    norm = []
-    for ov in self.attention_overrides:
-      ov = tuple(ov)
-      if len(ov) == 2:
-        layer, heads, spec = ov[0], tuple(range(self.n_head)), ov[1]
-      elif len(ov) == 3:
-        layer, heads, spec = ov
-        heads = _normalize_heads(heads, self.n_head)
-      else:
-        raise ValueError(f"attention override must be (layer, spec) or (layer, heads, spec): {ov!r}")
-      if not 0 <= int(layer) < self.n_layer:
-        raise ValueError(f"override layer {layer} out of range for n_layer={self.n_layer} (0-based)")
-      norm.append((int(layer), heads, _as_spec(spec)))
-    object.__setattr__(self, "attention_overrides", tuple(norm))
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        object.__setattr__(self, "attention", _as_spec(self.attention))
+        norm = []
+        for ov in self.attention_overrides:
+            ov = tuple(ov)
+            if len(ov) == 2:
+                layer, heads, spec = ov[0], tuple(range(self.n_head)), ov[1]
+            elif len(ov) == 3:
+                layer, heads, spec = ov
+                heads = _normalize_heads(heads, self.n_head)
+            else:
+                raise ValueError(
+                    f"attention override must be (layer, spec) or (layer, heads, spec): {ov!r}"
+                )
+            if not 0 <= int(layer) < self.n_layer:
+                raise ValueError(
+                    f"override layer {layer} out of range for n_layer={self.n_layer} (0-based)"
+                )
+            norm.append((int(layer), heads, _as_spec(spec)))
+        object.__setattr__(self, "attention_overrides", tuple(norm))
 
-  @property
-  def head_dim(self) -> int:
-    return self.n_embd // self.n_head
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
 
-  def head_specs(self, layer: int) -> tuple[AttentionSpec, ...]:
-    """The spec of every head of ``layer`` after applying the overrides in order."""
-    specs = [self.attention] * self.n_head
-    for ov_layer, heads, spec in self.attention_overrides:
-      if ov_layer == layer:
-        for h in heads:
-          specs[h] = spec
-    return tuple(specs)
+    def head_specs(self, layer: int) -> tuple[AttentionSpec, ...]:
+        """The spec of every head of ``layer`` after applying the overrides in order."""
+        specs = [self.attention] * self.n_head
+        for ov_layer, heads, spec in self.attention_overrides:
+            if ov_layer == layer:
+                for h in heads:
+                    specs[h] = spec
+        return tuple(specs)
 
-  def head_groups(self, layer: int) -> tuple[tuple[int, int, AttentionSpec], ...]:
-    """Contiguous runs (start, stop, spec) of heads sharing a spec, in head order."""
-    groups: list[tuple[int, int, AttentionSpec]] = []
-    for h, spec in enumerate(self.head_specs(layer)):
-      if groups and groups[-1][2] == spec:
-        groups[-1] = (groups[-1][0], h + 1, spec)
-      else:
-        groups.append((h, h + 1, spec))
-    return tuple(groups)
+    def head_groups(self, layer: int) -> tuple[tuple[int, int, AttentionSpec], ...]:
+        """Contiguous runs (start, stop, spec) of heads sharing a spec, in head order."""
+        groups: list[tuple[int, int, AttentionSpec]] = []
+        for h, spec in enumerate(self.head_specs(layer)):
+            if groups and groups[-1][2] == spec:
+                groups[-1] = (groups[-1][0], h + 1, spec)
+            else:
+                groups.append((h, h + 1, spec))
+        return tuple(groups)
 
-  def num_params(self, non_embedding: bool = True) -> int:
-    d, L = self.n_embd, self.n_layer
-    n = L * (12 * d * d + 2 * d) + d + self.vocab_size * d + self.block_size * d
-    if non_embedding:
-      n -= self.block_size * d
-    return n
+    def num_params(self, non_embedding: bool = True) -> int:
+        d, L = self.n_embd, self.n_layer
+        n = L * (12 * d * d + 2 * d) + d + self.vocab_size * d + self.block_size * d
+        if non_embedding:
+            n -= self.block_size * d
+        return n
 
 
 # ----------------------------------------------------------------------------- attention functions
 # Each takes q, k, v [batch, seq, heads, head_dim] in the compute dtype and the spec, and returns the
 # causal attention output in the same shape and dtype.
 
+
 def standard_attention(q, k, v, spec: AttentionSpec | None = None):
-  """Softmax attention as nanoGPT's non-flash path under autocast: S with FP32 accumulation,
-  softmax in FP32, P cast to the compute dtype, P.V in the compute dtype with FP32 accumulation."""
-  del spec
-  dtype = q.dtype
-  scale = 1.0 / math.sqrt(q.shape[-1])
-  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-  t = q.shape[1]
-  mask = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))
-  s = jnp.where(mask, s, -jnp.inf)
-  p = jax.nn.softmax(s, axis=-1).astype(dtype)
-  o = jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=jnp.float32)
-  return o.astype(dtype)
+    """Softmax attention as nanoGPT's non-flash path under autocast: S with FP32 accumulation,
+    softmax in FP32, P cast to the compute dtype, P.V in the compute dtype with FP32 accumulation."""
+    del spec
+    dtype = q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    t = q.shape[1]
+    mask = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=jnp.float32)
+    return o.astype(dtype)
 
 
 def _dpa(implementation):
-  def fn(q, k, v, spec=None):
-    del spec
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-  fn.__name__ = f"dot_product_attention_{implementation}"
-  return fn
+    def fn(q, k, v, spec=None):
+        del spec
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+    fn.__name__ = f"dot_product_attention_{implementation}"
+    return fn
 
 
 def flash_attention(q, k, v, spec: AttentionSpec):
-  import jax_flash  # lazy: models/ must import even where jax_flash is incomplete
-  return jax_flash.attention(
-      q, k, v, causal=True, stable=spec.stable, beta=spec.beta, policy=spec.policy,
-      delta=spec.delta, impl=spec.impl, block_q=spec.block_q, block_k=spec.block_k)
+    import jax_flash  # lazy: models/ must import even where jax_flash is incomplete
+
+    return jax_flash.attention(
+        q,
+        k,
+        v,
+        causal=True,
+        stable=spec.stable,
+        beta=spec.beta,
+        policy=spec.policy,
+        delta=spec.delta,
+        impl=spec.impl,
+        block_q=spec.block_q,
+        block_k=spec.block_k,
+    )
 
 
 ATTENTION_FNS: dict[str, Callable] = {
@@ -190,148 +209,181 @@ ATTENTION_FNS: dict[str, Callable] = {
 
 
 def register_attention(kind: str, fn: Callable) -> None:
-  """Make ``AttentionSpec(kind=kind)`` call ``fn(q, k, v, spec)`` (experiments, tests)."""
-  ATTENTION_FNS[kind] = fn
+    """Make ``AttentionSpec(kind=kind)`` call ``fn(q, k, v, spec)`` (experiments, tests)."""
+    ATTENTION_FNS[kind] = fn
 
 
 def attend(q, k, v, spec: AttentionSpec):
-  try:
-    fn = ATTENTION_FNS[spec.kind]
-  except KeyError:
-    raise ValueError(f"unknown attention kind {spec.kind!r}; known: {sorted(ATTENTION_FNS)}") from None
-  return fn(q, k, v, spec)
+    try:
+        fn = ATTENTION_FNS[spec.kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention kind {spec.kind!r}; known: {sorted(ATTENTION_FNS)}"
+        ) from None
+    return fn(q, k, v, spec)
 
 
 # ----------------------------------------------------------------------------- modules
 
+
 def _dt(name: str):
-  return jnp.dtype(name)
+    return jnp.dtype(name)
 
 
 class CausalSelfAttention(nnx.Module):
+    def __init__(self, cfg: GPTConfig, layer: int, *, rngs: nnx.Rngs):
+        d, dt, pdt = cfg.n_embd, _dt(cfg.dtype), _dt(cfg.param_dtype)
+        init = nnx.initializers.normal(cfg.init_std)
+        res_init = nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        mk = lambda kinit: nnx.Linear(
+            d, d, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=kinit, rngs=rngs
+        )
+        self.wq, self.wk, self.wv = mk(init), mk(init), mk(init)
+        self.wo = mk(res_init)
+        self.n_head = cfg.n_head
+        self.groups = cfg.head_groups(layer)  # static: part of the graphdef
 
-  def __init__(self, cfg: GPTConfig, layer: int, *, rngs: nnx.Rngs):
-    d, dt, pdt = cfg.n_embd, _dt(cfg.dtype), _dt(cfg.param_dtype)
-    init = nnx.initializers.normal(cfg.init_std)
-    res_init = nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layer))
-    mk = lambda kinit: nnx.Linear(d, d, use_bias=False, dtype=dt, param_dtype=pdt,
-                                  kernel_init=kinit, rngs=rngs)
-    self.wq, self.wk, self.wv = mk(init), mk(init), mk(init)
-    self.wo = mk(res_init)
-    self.n_head = cfg.n_head
-    self.groups = cfg.head_groups(layer)  # static: part of the graphdef
-
-  def __call__(self, x, capture: dict | None = None):
-    b, t, d = x.shape
-    shape = (b, t, self.n_head, d // self.n_head)
-    q = self.wq(x).reshape(shape)
-    k = self.wk(x).reshape(shape)
-    v = self.wv(x).reshape(shape)
-    if capture is not None:
-      capture.update(q=q, k=k, v=v)
-    outs = [attend(q[:, :, h0:h1], k[:, :, h0:h1], v[:, :, h0:h1], spec)
-            for h0, h1, spec in self.groups]
-    o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-    return self.wo(o.reshape(b, t, d))
+    def __call__(self, x, capture: dict | None = None):
+        b, t, d = x.shape
+        shape = (b, t, self.n_head, d // self.n_head)
+        q = self.wq(x).reshape(shape)
+        k = self.wk(x).reshape(shape)
+        v = self.wv(x).reshape(shape)
+        if capture is not None:
+            capture.update(q=q, k=k, v=v)
+        outs = [
+            attend(q[:, :, h0:h1], k[:, :, h0:h1], v[:, :, h0:h1], spec)
+            for h0, h1, spec in self.groups
+        ]
+        o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+        return self.wo(o.reshape(b, t, d))
 
 
 class MLP(nnx.Module):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, dt, pdt = cfg.n_embd, _dt(cfg.dtype), _dt(cfg.param_dtype)
+        self.fc = nnx.Linear(
+            d,
+            4 * d,
+            use_bias=False,
+            dtype=dt,
+            param_dtype=pdt,
+            kernel_init=nnx.initializers.normal(cfg.init_std),
+            rngs=rngs,
+        )
+        self.proj = nnx.Linear(
+            4 * d,
+            d,
+            use_bias=False,
+            dtype=dt,
+            param_dtype=pdt,
+            kernel_init=nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
+            rngs=rngs,
+        )
 
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    d, dt, pdt = cfg.n_embd, _dt(cfg.dtype), _dt(cfg.param_dtype)
-    self.fc = nnx.Linear(d, 4 * d, use_bias=False, dtype=dt, param_dtype=pdt,
-                         kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
-    self.proj = nnx.Linear(4 * d, d, use_bias=False, dtype=dt, param_dtype=pdt,
-                           kernel_init=nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
-                           rngs=rngs)
-
-  def __call__(self, x):
-    h = self.fc(x)
-    h = jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
-    return self.proj(h)
+    def __call__(self, x):
+        h = self.fc(x)
+        h = jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
+        return self.proj(h)
 
 
 def _layer_norm(d, pdt, rngs):
-  return nnx.LayerNorm(d, epsilon=1e-5, use_bias=False, dtype=jnp.float32, param_dtype=pdt, rngs=rngs)
+    return nnx.LayerNorm(
+        d, epsilon=1e-5, use_bias=False, dtype=jnp.float32, param_dtype=pdt, rngs=rngs
+    )
 
 
 class Block(nnx.Module):
+    def __init__(self, cfg: GPTConfig, layer: int, *, rngs: nnx.Rngs):
+        pdt = _dt(cfg.param_dtype)
+        self.ln_1 = _layer_norm(cfg.n_embd, pdt, rngs)
+        self.attn = CausalSelfAttention(cfg, layer, rngs=rngs)
+        self.ln_2 = _layer_norm(cfg.n_embd, pdt, rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.dtype = _dt(cfg.dtype)
 
-  def __init__(self, cfg: GPTConfig, layer: int, *, rngs: nnx.Rngs):
-    pdt = _dt(cfg.param_dtype)
-    self.ln_1 = _layer_norm(cfg.n_embd, pdt, rngs)
-    self.attn = CausalSelfAttention(cfg, layer, rngs=rngs)
-    self.ln_2 = _layer_norm(cfg.n_embd, pdt, rngs)
-    self.mlp = MLP(cfg, rngs=rngs)
-    self.dtype = _dt(cfg.dtype)
-
-  def __call__(self, x, capture: dict | None = None):
-    h = self.ln_1(x).astype(self.dtype)
-    if capture is not None:
-      capture["x"] = h  # the attention input, for dW_Q = x^T dQ analyses
-    x = x + self.attn(h, capture)
-    x = x + self.mlp(self.ln_2(x).astype(self.dtype))
-    if capture is not None: capture["resid"] = x  # block output (residual stream), for train/probes.py
-    return x
+    def __call__(self, x, capture: dict | None = None):
+        h = self.ln_1(x).astype(self.dtype)
+        if capture is not None:
+            capture["x"] = h  # the attention input, for dW_Q = x^T dQ analyses
+        x = x + self.attn(h, capture)
+        x = x + self.mlp(self.ln_2(x).astype(self.dtype))
+        if capture is not None:
+            capture["resid"] = x  # block output (residual stream), for train/probes.py
+        return x
 
 
 class GPT(nnx.Module):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        pdt = _dt(cfg.param_dtype)
+        init = nnx.initializers.normal(cfg.init_std)
+        self.config = cfg
+        self.wte = nnx.Embed(
+            cfg.vocab_size, cfg.n_embd, param_dtype=pdt, dtype=pdt, embedding_init=init, rngs=rngs
+        )
+        self.wpe = nnx.Embed(
+            cfg.block_size, cfg.n_embd, param_dtype=pdt, dtype=pdt, embedding_init=init, rngs=rngs
+        )
+        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layer)])
+        self.ln_f = _layer_norm(cfg.n_embd, pdt, rngs)
 
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    pdt = _dt(cfg.param_dtype)
-    init = nnx.initializers.normal(cfg.init_std)
-    self.config = cfg
-    self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, param_dtype=pdt, dtype=pdt,
-                         embedding_init=init, rngs=rngs)
-    self.wpe = nnx.Embed(cfg.block_size, cfg.n_embd, param_dtype=pdt, dtype=pdt,
-                         embedding_init=init, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layer)])
-    self.ln_f = _layer_norm(cfg.n_embd, pdt, rngs)
+    def __call__(self, idx, *, return_intermediates: bool = False):
+        """idx: int [batch, seq] -> FP32 logits [batch, seq, vocab].
 
-  def __call__(self, idx, *, return_intermediates: bool = False):
-    """idx: int [batch, seq] -> FP32 logits [batch, seq, vocab].
-
-    With return_intermediates=True also returns a list (one dict per layer) with the attention
-    input ``x`` and ``q``, ``k``, ``v`` ([batch, seq, heads, head_dim], compute dtype).
-    """
-    cfg = self.config
-    t = idx.shape[1]
-    if t > cfg.block_size:
-      raise ValueError(f"sequence length {t} > block_size {cfg.block_size}")
-    x = self.wte(idx) + self.wpe(jnp.arange(t))[None]
-    captures = [] if return_intermediates else None
-    for block in self.blocks:
-      cap = {} if return_intermediates else None
-      x = block(x, cap)
-      if return_intermediates:
-        captures.append(cap)
-    x = self.ln_f(x)
-    dt = _dt(cfg.dtype)
-    logits = jnp.einsum("btd,vd->btv", x.astype(dt), self.wte.embedding[...].astype(dt),
-                        preferred_element_type=jnp.float32)
-    return (logits, captures) if return_intermediates else logits
+        With return_intermediates=True also returns a list (one dict per layer) with the attention
+        input ``x`` and ``q``, ``k``, ``v`` ([batch, seq, heads, head_dim], compute dtype).
+        """
+        cfg = self.config
+        t = idx.shape[1]
+        if t > cfg.block_size:
+            raise ValueError(f"sequence length {t} > block_size {cfg.block_size}")
+        x = self.wte(idx) + self.wpe(jnp.arange(t))[None]
+        captures = [] if return_intermediates else None
+        for block in self.blocks:
+            cap = {} if return_intermediates else None
+            x = block(x, cap)
+            if return_intermediates:
+                captures.append(cap)
+        x = self.ln_f(x)
+        dt = _dt(cfg.dtype)
+        logits = jnp.einsum(
+            "btd,vd->btv",
+            x.astype(dt),
+            self.wte.embedding[...].astype(dt),
+            preferred_element_type=jnp.float32,
+        )
+        return (logits, captures) if return_intermediates else logits
 
 
 def cross_entropy(logits, targets):
-  """Mean token cross-entropy in FP32."""
-  logits = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return jnp.mean(lse - tgt)
+    """Mean token cross-entropy in FP32."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.mean(lse - tgt)
 
 
 def per_head_weights(params: dict, layer: int, n_head: int, which: str = "wq"):
-  """[n_head, n_embd, head_dim] view of W_Q (or "wk", "wv") of ``layer`` from a pure param dict."""
-  kernel = params["blocks"][layer]["attn"][which]["kernel"]
-  d_in, d_out = kernel.shape
-  return jnp.transpose(kernel.reshape(d_in, n_head, d_out // n_head), (1, 0, 2))
+    """[n_head, n_embd, head_dim] view of W_Q (or "wk", "wv") of ``layer`` from a pure param dict."""
+    kernel = params["blocks"][layer]["attn"][which]["kernel"]
+    d_in, d_out = kernel.shape
+    return jnp.transpose(kernel.reshape(d_in, n_head, d_out // n_head), (1, 0, 2))
 
 
 def count_params(params) -> int:
-  return sum(int(x.size) for x in jax.tree.leaves(params))
+    return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
 __all__: Sequence[str] = (
-    "AttentionSpec", "GPTConfig", "GPT", "ATTENTION_FNS", "register_attention", "attend",
-    "standard_attention", "flash_attention", "cross_entropy", "per_head_weights", "count_params",
+    "AttentionSpec",
+    "GPTConfig",
+    "GPT",
+    "ATTENTION_FNS",
+    "register_attention",
+    "attend",
+    "standard_attention",
+    "flash_attention",
+    "cross_entropy",
+    "per_head_weights",
+    "count_params",
 )

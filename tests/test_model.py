@@ -1,4 +1,5 @@
 """models/gpt2.py: shapes, tied head, init statistics, attention variants and per-layer/per-head choice."""
+
 import math
 
 import jax
@@ -12,233 +13,265 @@ from models.gpt2 import GPT, AttentionSpec, GPTConfig, cross_entropy, per_head_w
 
 
 def small_cfg(**kw):
-  base = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
-  base.update(kw)
-  return GPTConfig(**base)
+    base = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    base.update(kw)
+    return GPTConfig(**base)
 
 
 def params_of(model):
-  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def tokens(shape=(2, 32), vocab=256, seed=1):
-  return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
 
 
 # ----------------------------------------------------------------------------- structure
 
+
 def test_output_shapes_and_dtypes():
-  cfg = small_cfg()
-  model = GPT(cfg, rngs=nnx.Rngs(0))
-  idx = tokens((3, 17))
-  logits, caps = model(idx, return_intermediates=True)
-  assert logits.shape == (3, 17, 256) and logits.dtype == jnp.float32
-  assert len(caps) == cfg.n_layer
-  for cap in caps:
-    assert cap["x"].shape == (3, 17, 64) and cap["x"].dtype == jnp.bfloat16
-    for name in "qkv":
-      assert cap[name].shape == (3, 17, 4, 16) and cap[name].dtype == jnp.bfloat16
-  for leaf in jax.tree.leaves(params_of(model)):
-    assert leaf.dtype == jnp.float32  # FP32 master weights
-  with pytest.raises(ValueError, match="block_size"):
-    model(tokens((1, 33)))
+    cfg = small_cfg()
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    idx = tokens((3, 17))
+    logits, caps = model(idx, return_intermediates=True)
+    assert logits.shape == (3, 17, 256) and logits.dtype == jnp.float32
+    assert len(caps) == cfg.n_layer
+    for cap in caps:
+        assert cap["x"].shape == (3, 17, 64) and cap["x"].dtype == jnp.bfloat16
+        for name in "qkv":
+            assert cap[name].shape == (3, 17, 4, 16) and cap[name].dtype == jnp.bfloat16
+    for leaf in jax.tree.leaves(params_of(model)):
+        assert leaf.dtype == jnp.float32  # FP32 master weights
+    with pytest.raises(ValueError, match="block_size"):
+        model(tokens((1, 33)))
 
 
 def test_parameters_tied_head_and_no_biases():
-  cfg = small_cfg(vocab_size=250)  # no other dimension is 250
-  model = GPT(cfg, rngs=nnx.Rngs(0))
-  p = params_of(model)
-  paths = {"/".join(str(k) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(
-      p, is_leaf=lambda x: isinstance(x, jax.Array))}
-  names = {path.split("/")[-1].strip("[]'") for path in paths}
-  assert not any("bias" in n for n in names), names
-  assert gpt2.count_params(p) == cfg.num_params(non_embedding=False)
-  # exactly one vocab-sized matrix: the embedding is the head
-  assert sum(1 for x in jax.tree.leaves(p) if cfg.vocab_size in x.shape) == 1
-  # zeroing embedding row v zeroes logit v everywhere (the head multiplies by wte.embedding)
-  idx = tokens((2, 16), seed=3) % 100 + 100  # inputs never use token 7
-  model.wte.embedding[...] = model.wte.embedding[...].at[7].set(0.0)
-  logits = model(idx)
-  assert jnp.all(logits[..., 7] == 0.0)
-  assert jnp.all(logits[..., 8] != 0.0)
+    cfg = small_cfg(vocab_size=250)  # no other dimension is 250
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    p = params_of(model)
+    paths = {
+        "/".join(str(k) for k in path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(
+            p, is_leaf=lambda x: isinstance(x, jax.Array)
+        )
+    }
+    names = {path.split("/")[-1].strip("[]'") for path in paths}
+    assert not any("bias" in n for n in names), names
+    assert gpt2.count_params(p) == cfg.num_params(non_embedding=False)
+    # exactly one vocab-sized matrix: the embedding is the head
+    assert sum(1 for x in jax.tree.leaves(p) if cfg.vocab_size in x.shape) == 1
+    # zeroing embedding row v zeroes logit v everywhere (the head multiplies by wte.embedding)
+    idx = tokens((2, 16), seed=3) % 100 + 100  # inputs never use token 7
+    model.wte.embedding[...] = model.wte.embedding[...].at[7].set(0.0)
+    logits = model(idx)
+    assert jnp.all(logits[..., 7] == 0.0)
+    assert jnp.all(logits[..., 8] != 0.0)
 
 
 def test_init_statistics():
-  cfg = GPTConfig(vocab_size=4096, block_size=256, n_layer=6, n_head=4, n_embd=256)
-  p = params_of(GPT(cfg, rngs=nnx.Rngs(0)))
-  res_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-  def check(x, std):
-    x = np.asarray(x)
-    assert abs(x.std() / std - 1) < 0.03, (x.std(), std)   # >= 65k samples: std error ~0.3 %
-    assert abs(x.mean()) < 3 * std / math.sqrt(x.size) + 1e-9
-  check(p["wte"]["embedding"], 0.02)
-  check(p["wpe"]["embedding"], 0.02)
-  for blk in p["blocks"].values():
-    for name in ("wq", "wk", "wv"):
-      check(blk["attn"][name]["kernel"], 0.02)
-    check(blk["mlp"]["fc"]["kernel"], 0.02)
-    check(blk["attn"]["wo"]["kernel"], res_std)
-    check(blk["mlp"]["proj"]["kernel"], res_std)
-    np.testing.assert_array_equal(blk["ln_1"]["scale"], 1.0)
-  np.testing.assert_array_equal(p["ln_f"]["scale"], 1.0)
+    cfg = GPTConfig(vocab_size=4096, block_size=256, n_layer=6, n_head=4, n_embd=256)
+    p = params_of(GPT(cfg, rngs=nnx.Rngs(0)))
+    res_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+    def check(x, std):
+        x = np.asarray(x)
+        assert abs(x.std() / std - 1) < 0.03, (x.std(), std)  # >= 65k samples: std error ~0.3 %
+        assert abs(x.mean()) < 3 * std / math.sqrt(x.size) + 1e-9
+
+    check(p["wte"]["embedding"], 0.02)
+    check(p["wpe"]["embedding"], 0.02)
+    for blk in p["blocks"].values():
+        for name in ("wq", "wk", "wv"):
+            check(blk["attn"][name]["kernel"], 0.02)
+        check(blk["mlp"]["fc"]["kernel"], 0.02)
+        check(blk["attn"]["wo"]["kernel"], res_std)
+        check(blk["mlp"]["proj"]["kernel"], res_std)
+        np.testing.assert_array_equal(blk["ln_1"]["scale"], 1.0)
+    np.testing.assert_array_equal(p["ln_f"]["scale"], 1.0)
 
 
 def test_initial_loss_is_log_vocab():
-  cfg = small_cfg(vocab_size=50304)
-  model = GPT(cfg, rngs=nnx.Rngs(0))
-  idx = tokens((4, 32), vocab=50304)
-  loss = cross_entropy(model(idx), jnp.roll(idx, -1, axis=1))
-  assert abs(float(loss) - math.log(50304)) < 0.05
+    cfg = small_cfg(vocab_size=50304)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    idx = tokens((4, 32), vocab=50304)
+    loss = cross_entropy(model(idx), jnp.roll(idx, -1, axis=1))
+    assert abs(float(loss) - math.log(50304)) < 0.05
 
 
 def test_per_head_weights_slices_kernel():
-  cfg = small_cfg()
-  p = params_of(GPT(cfg, rngs=nnx.Rngs(0)))
-  w = per_head_weights(p, 1, cfg.n_head, "wq")
-  kernel = p["blocks"][1]["attn"]["wq"]["kernel"]
-  assert w.shape == (4, 64, 16)
-  np.testing.assert_array_equal(w[2], kernel[:, 32:48])
+    cfg = small_cfg()
+    p = params_of(GPT(cfg, rngs=nnx.Rngs(0)))
+    w = per_head_weights(p, 1, cfg.n_head, "wq")
+    kernel = p["blocks"][1]["attn"]["wq"]["kernel"]
+    assert w.shape == (4, 64, 16)
+    np.testing.assert_array_equal(w[2], kernel[:, 32:48])
 
 
 # ----------------------------------------------------------------------------- attention functions
 
+
 def test_standard_attention_matches_float64_reference():
-  q, k, v = (jax.random.normal(jax.random.key(i), (2, 24, 3, 8)) for i in range(3))
-  with jax.default_matmul_precision("highest"):  # FP32 dots are TF32 by default on GPU
-    out = np.asarray(gpt2.standard_attention(q, k, v), np.float64)
-  qn, kn, vn = (np.asarray(a, np.float64) for a in (q, k, v))
-  s = np.einsum("bqhd,bkhd->bhqk", qn, kn) / math.sqrt(8)
-  s = np.where(np.tril(np.ones((24, 24), bool)), s, -np.inf)
-  pr = np.exp(s - s.max(-1, keepdims=True))
-  pr /= pr.sum(-1, keepdims=True)
-  ref = np.einsum("bhqk,bkhd->bqhd", pr, vn)
-  np.testing.assert_allclose(out, ref, atol=2e-6)
-  assert out[:, 0].std() > 0  # the first query sees only key 0: out[:, 0] == v[:, 0]
-  np.testing.assert_allclose(out[:, 0], vn[:, 0], atol=1e-6)
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 24, 3, 8)) for i in range(3))
+    with jax.default_matmul_precision("highest"):  # FP32 dots are TF32 by default on GPU
+        out = np.asarray(gpt2.standard_attention(q, k, v), np.float64)
+    qn, kn, vn = (np.asarray(a, np.float64) for a in (q, k, v))
+    s = np.einsum("bqhd,bkhd->bhqk", qn, kn) / math.sqrt(8)
+    s = np.where(np.tril(np.ones((24, 24), bool)), s, -np.inf)
+    pr = np.exp(s - s.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    ref = np.einsum("bhqk,bkhd->bqhd", pr, vn)
+    np.testing.assert_allclose(out, ref, atol=2e-6)
+    assert out[:, 0].std() > 0  # the first query sees only key 0: out[:, 0] == v[:, 0]
+    np.testing.assert_allclose(out[:, 0], vn[:, 0], atol=1e-6)
 
 
 def _logits_for(kind_or_spec, dtype, **kw):
-  spec = kind_or_spec if isinstance(kind_or_spec, AttentionSpec) else AttentionSpec(kind_or_spec)
-  # init_std 0.1 sharpens the attention so the variants are not trivially uniform
-  cfg = small_cfg(dtype=dtype, attention=spec, init_std=0.1, block_size=64, **kw)
-  model = GPT(cfg, rngs=nnx.Rngs(0))
-  with jax.default_matmul_precision("highest" if dtype == "float32" else None):
-    return np.asarray(model(tokens((2, 64))))
+    spec = kind_or_spec if isinstance(kind_or_spec, AttentionSpec) else AttentionSpec(kind_or_spec)
+    # init_std 0.1 sharpens the attention so the variants are not trivially uniform
+    cfg = small_cfg(dtype=dtype, attention=spec, init_std=0.1, block_size=64, **kw)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    with jax.default_matmul_precision("highest" if dtype == "float32" else None):
+        return np.asarray(model(tokens((2, 64))))
 
 
 def _flash_available():
-  jf = pytest.importorskip("jax_flash", reason="jax_flash not importable")
-  if not hasattr(jf, "attention"):
-    pytest.skip("jax_flash.attention missing")
+    jf = pytest.importorskip("jax_flash", reason="jax_flash not importable")
+    if not hasattr(jf, "attention"):
+        pytest.skip("jax_flash.attention missing")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attention_variants_agree_in_model(dtype):
-  ref = _logits_for("standard", dtype)
-  scale = np.abs(ref).max()
-  # The xla path of jax.nn.dot_product_attention does the same arithmetic as "standard" (FP32
-  # scores and softmax, P rounded to the compute dtype): equal up to fused-op ordering.
-  np.testing.assert_allclose(_logits_for("xla", dtype), ref, atol=1e-6 * scale)
-  _flash_available()
-  flash = _logits_for(AttentionSpec("flash", policy="fa2"), dtype)
-  diff = np.abs(flash - ref)
-  if dtype == "float32":
-    # same math in FP32, different summation order: a few FP32 ulps of the logit scale
-    assert diff.max() <= 1e-5 * scale, diff.max()
-  else:
-    # bf16: flash rounds P̄ = exp(S - m) (unnormalised) to bf16 and divides by l in FP32, standard
-    # rounds the normalised P; each attention output can differ by ~1 bf16 ulp (2^-8 relative),
-    # which the bf16 projections after it carry to the logits. Allow 4 ulps of the logit scale
-    # at the max and 1 ulp on average; a wrong mask or scale gives O(scale) differences.
-    assert diff.max() <= 4 * 2.0**-8 * scale, (diff.max(), scale)
-    assert diff.mean() <= 2.0**-8 * scale, (diff.mean(), scale)
-    wrong = _logits_for(AttentionSpec("flash", policy="fa2"), "float32", n_head=2)  # sanity: differs
-    assert np.abs(wrong - ref).max() > 10 * diff.max()
+    ref = _logits_for("standard", dtype)
+    scale = np.abs(ref).max()
+    # The xla path of jax.nn.dot_product_attention does the same arithmetic as "standard" (FP32
+    # scores and softmax, P rounded to the compute dtype): equal up to fused-op ordering.
+    np.testing.assert_allclose(_logits_for("xla", dtype), ref, atol=1e-6 * scale)
+    _flash_available()
+    flash = _logits_for(AttentionSpec("flash", policy="fa2"), dtype)
+    diff = np.abs(flash - ref)
+    if dtype == "float32":
+        # same math in FP32, different summation order: a few FP32 ulps of the logit scale
+        assert diff.max() <= 1e-5 * scale, diff.max()
+    else:
+        # bf16: flash rounds P̄ = exp(S - m) (unnormalised) to bf16 and divides by l in FP32, standard
+        # rounds the normalised P; each attention output can differ by ~1 bf16 ulp (2^-8 relative),
+        # which the bf16 projections after it carry to the logits. Allow 4 ulps of the logit scale
+        # at the max and 1 ulp on average; a wrong mask or scale gives O(scale) differences.
+        assert diff.max() <= 4 * 2.0**-8 * scale, (diff.max(), scale)
+        assert diff.mean() <= 2.0**-8 * scale, (diff.mean(), scale)
+        wrong = _logits_for(
+            AttentionSpec("flash", policy="fa2"), "float32", n_head=2
+        )  # sanity: differs
+        assert np.abs(wrong - ref).max() > 10 * diff.max()
 
 
 def test_flash_gradients_match_standard_fp32():
-  _flash_available()
-  cfg = small_cfg(dtype="float32", init_std=0.1)
-  idx = tokens((2, 32))
-  grads = {}
-  for kind in ("standard", "flash"):
-    model = GPT(dataclass_replace(cfg, attention=AttentionSpec(kind)), rngs=nnx.Rngs(0))
-    graphdef, p = nnx.split(model)
-    p = nnx.to_pure_dict(p)
-    f = lambda p: cross_entropy(nnx.merge(graphdef, p)(idx), jnp.roll(idx, -1, 1))
-    with jax.default_matmul_precision("highest"):
-      grads[kind] = jax.grad(f)(p)
-  for a, b in zip(jax.tree.leaves(grads["standard"]), jax.tree.leaves(grads["flash"])):
-    np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(a).max()) + 1e-9)
+    _flash_available()
+    cfg = small_cfg(dtype="float32", init_std=0.1)
+    idx = tokens((2, 32))
+    grads = {}
+    for kind in ("standard", "flash"):
+        model = GPT(dataclass_replace(cfg, attention=AttentionSpec(kind)), rngs=nnx.Rngs(0))
+        graphdef, p = nnx.split(model)
+        p = nnx.to_pure_dict(p)
+        f = lambda p: cross_entropy(nnx.merge(graphdef, p)(idx), jnp.roll(idx, -1, 1))
+        with jax.default_matmul_precision("highest"):
+            grads[kind] = jax.grad(f)(p)
+    for a, b in zip(jax.tree.leaves(grads["standard"]), jax.tree.leaves(grads["flash"])):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(a).max()) + 1e-9)
 
 
 def dataclass_replace(cfg, **kw):
-  import dataclasses
-  return dataclasses.replace(cfg, **kw)
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
 
 
 # ----------------------------------------------------------------------------- per-layer / per-head choice
 
+
 def test_head_specs_resolution_and_paper_examples():
-  std, flash = AttentionSpec("standard"), AttentionSpec("flash")
-  fp32 = AttentionSpec("flash", policy="fp32")
-  # the paper's "flash only in layer 2" (1-based) == layer index 1
-  cfg = GPTConfig(attention=std, attention_overrides=((1, flash),))
-  assert cfg.head_specs(0) == (std,) * 12 and cfg.head_specs(1) == (flash,) * 12
-  # FP32 flash for the paper's heads 1,7,8,9,11,12 of layer 2 (0-based heads 0,6,7,8,10,11)
-  cfg = GPTConfig(attention=flash, attention_overrides=((1, (0, 6, 7, 8, 10, 11), fp32),))
-  specs = cfg.head_specs(1)
-  assert [h for h, s in enumerate(specs) if s == fp32] == [0, 6, 7, 8, 10, 11]
-  assert [(a, b) for a, b, _ in cfg.head_groups(1)] == [(0, 1), (1, 6), (6, 9), (9, 10), (10, 12)]
-  assert cfg.head_groups(0) == ((0, 12, flash),)
-  # later overrides win; slices, ranges and single ints are accepted; configs stay hashable
-  cfg = GPTConfig(attention_overrides=((3, slice(0, 6), flash), (3, 2, std), (4, range(6, 12), "xla")))
-  assert cfg.head_specs(3)[:6] == (flash, flash, std, flash, flash, flash)
-  assert cfg.head_specs(4)[6:] == (AttentionSpec("xla"),) * 6
-  hash(cfg)
-  with pytest.raises(ValueError, match="layer"):
-    GPTConfig(attention_overrides=((12, flash),))
-  with pytest.raises(ValueError, match="head"):
-    GPTConfig(attention_overrides=((0, (12,), flash),))
+    std, flash = AttentionSpec("standard"), AttentionSpec("flash")
+    fp32 = AttentionSpec("flash", policy="fp32")
+    # the paper's "flash only in layer 2" (1-based) == layer index 1
+    cfg = GPTConfig(attention=std, attention_overrides=((1, flash),))
+    assert cfg.head_specs(0) == (std,) * 12 and cfg.head_specs(1) == (flash,) * 12
+    # FP32 flash for the paper's heads 1,7,8,9,11,12 of layer 2 (0-based heads 0,6,7,8,10,11)
+    cfg = GPTConfig(attention=flash, attention_overrides=((1, (0, 6, 7, 8, 10, 11), fp32),))
+    specs = cfg.head_specs(1)
+    assert [h for h, s in enumerate(specs) if s == fp32] == [0, 6, 7, 8, 10, 11]
+    assert [(a, b) for a, b, _ in cfg.head_groups(1)] == [(0, 1), (1, 6), (6, 9), (9, 10), (10, 12)]
+    assert cfg.head_groups(0) == ((0, 12, flash),)
+    # later overrides win; slices, ranges and single ints are accepted; configs stay hashable
+    cfg = GPTConfig(
+        attention_overrides=((3, slice(0, 6), flash), (3, 2, std), (4, range(6, 12), "xla"))
+    )
+    assert cfg.head_specs(3)[:6] == (flash, flash, std, flash, flash, flash)
+    assert cfg.head_specs(4)[6:] == (AttentionSpec("xla"),) * 6
+    hash(cfg)
+    with pytest.raises(ValueError, match="layer"):
+        GPTConfig(attention_overrides=((12, flash),))
+    with pytest.raises(ValueError, match="head"):
+        GPTConfig(attention_overrides=((0, (12,), flash),))
 
 
 @pytest.fixture
 def spy_kinds(monkeypatch):
-  """Register attention kinds that record the head count of each call."""
-  calls = []
-  def make(name, fn):
-    def spy(q, k, v, spec):
-      calls.append((name, q.shape[2]))
-      return fn(q, k, v, spec)
-    monkeypatch.setitem(gpt2.ATTENTION_FNS, name, spy)
-  make("spy_std", gpt2.standard_attention)
-  make("spy_other", gpt2.standard_attention)
-  make("spy_zero", lambda q, k, v, spec: jnp.zeros_like(q))
-  return calls
+    """Register attention kinds that record the head count of each call."""
+    calls = []
+
+    def make(name, fn):
+        def spy(q, k, v, spec):
+            calls.append((name, q.shape[2]))
+            return fn(q, k, v, spec)
+
+        monkeypatch.setitem(gpt2.ATTENTION_FNS, name, spy)
+
+    make("spy_std", gpt2.standard_attention)
+    make("spy_other", gpt2.standard_attention)
+    make("spy_zero", lambda q, k, v, spec: jnp.zeros_like(q))
+    return calls
 
 
 def test_overrides_choose_the_function_per_layer_and_head_group(spy_kinds):
-  calls = spy_kinds
-  cfg = small_cfg(n_layer=3, attention=AttentionSpec("spy_std"),
-                  attention_overrides=((1, AttentionSpec("spy_other")),
-                                       (2, (0, 2, 3), AttentionSpec("spy_other"))))
-  model = GPT(cfg, rngs=nnx.Rngs(0))
-  idx = tokens()
-  out = model(idx)  # eager: one call per head group per forward
-  assert calls == [("spy_std", 4),                                           # layer 0
-                   ("spy_other", 4),                                         # layer 1
-                   ("spy_other", 1), ("spy_std", 1), ("spy_other", 2)]       # layer 2
-  # the same function under another name, split into groups, gives the same logits bitwise:
-  # groups are concatenated back in head order
-  base = GPT(small_cfg(n_layer=3, attention=AttentionSpec("spy_std")), rngs=nnx.Rngs(0))
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(base(idx)))
-  # a deliberately different function on one head group changes the output
-  zero = GPT(small_cfg(n_layer=3, attention=AttentionSpec("spy_std"),
-                       attention_overrides=((2, (3,), AttentionSpec("spy_zero")),)), rngs=nnx.Rngs(0))
-  assert np.abs(np.asarray(zero(idx)) - np.asarray(out)).max() > 1e-4
+    calls = spy_kinds
+    cfg = small_cfg(
+        n_layer=3,
+        attention=AttentionSpec("spy_std"),
+        attention_overrides=(
+            (1, AttentionSpec("spy_other")),
+            (2, (0, 2, 3), AttentionSpec("spy_other")),
+        ),
+    )
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    idx = tokens()
+    out = model(idx)  # eager: one call per head group per forward
+    assert calls == [
+        ("spy_std", 4),  # layer 0
+        ("spy_other", 4),  # layer 1
+        ("spy_other", 1),
+        ("spy_std", 1),
+        ("spy_other", 2),
+    ]  # layer 2
+    # the same function under another name, split into groups, gives the same logits bitwise:
+    # groups are concatenated back in head order
+    base = GPT(small_cfg(n_layer=3, attention=AttentionSpec("spy_std")), rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(base(idx)))
+    # a deliberately different function on one head group changes the output
+    zero = GPT(
+        small_cfg(
+            n_layer=3,
+            attention=AttentionSpec("spy_std"),
+            attention_overrides=((2, (3,), AttentionSpec("spy_zero")),),
+        ),
+        rngs=nnx.Rngs(0),
+    )
+    assert np.abs(np.asarray(zero(idx)) - np.asarray(out)).max() > 1e-4
 
 
 def test_unknown_attention_kind_raises():
-  model = GPT(small_cfg(attention=AttentionSpec("nope")), rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="unknown attention kind"):
-    model(tokens())
+    model = GPT(small_cfg(attention=AttentionSpec("nope")), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        model(tokens())

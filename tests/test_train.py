@@ -1,5 +1,6 @@
 """train/: config overrides, schedule, optimizers, the jitted step, the loop (metrics, divergence stop,
 checkpoint/resume bitwise) and data parallelism (a subprocess with 4 host devices)."""
+
 import dataclasses
 import functools
 import json
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.gpt2 import AttentionSpec, GPTConfig
+from models.gpt2 import AttentionSpec
 from train import config as C
 from train import gpt2 as T
 
@@ -24,268 +25,322 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- fixtures
 
-class Tokens:
-  """Stands in for train.data.TokenData: 1-D uint16 .train / .val."""
 
-  def __init__(self, vocab=512, n=3000, seed=0):
-    rng = np.random.default_rng(seed)
-    # a repeated document over an eighth of the vocabulary: the unigram is learnt in a few steps
-    doc = rng.integers(0, vocab // 8, size=n, dtype=np.uint16)
-    self.train, self.val, self.meta = np.tile(doc, 4), doc[: n // 3].copy(), {}
+class Tokens:
+    """Stands in for train.data.TokenData: 1-D uint16 .train / .val."""
+
+    def __init__(self, vocab=512, n=3000, seed=0):
+        rng = np.random.default_rng(seed)
+        # a repeated document over an eighth of the vocabulary: the unigram is learnt in a few steps
+        doc = rng.integers(0, vocab // 8, size=n, dtype=np.uint16)
+        self.train, self.val, self.meta = np.tile(doc, 4), doc[: n // 3].copy(), {}
 
 
 def micro_cfg(run_dir, *extra):
-  return C.apply_overrides(C.get_preset("tiny-cpu"), [
-      "model.vocab_size=512", "model.n_layer=2", "model.n_head=4", "model.n_embd=64",
-      "model.block_size=32", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=1e-2",
-      "max_steps=8", "eval_every=4", "data.eval_batches=2", "progress=false",
-      f"run_dir={run_dir}", *extra])
+    return C.apply_overrides(
+        C.get_preset("tiny-cpu"),
+        [
+            "model.vocab_size=512",
+            "model.n_layer=2",
+            "model.n_head=4",
+            "model.n_embd=64",
+            "model.block_size=32",
+            "data.batch_size=4",
+            "optim.warmup_steps=2",
+            "optim.lr=1e-2",
+            "max_steps=8",
+            "eval_every=4",
+            "data.eval_batches=2",
+            "progress=false",
+            f"run_dir={run_dir}",
+            *extra,
+        ],
+    )
 
 
 # ----------------------------------------------------------------------------- config & CLI
 
+
 def test_overrides_are_typed_and_nested():
-  cfg = C.apply_overrides(C.get_preset("tiny-cpu"), [
-      "model.n_layer=2", "attention.stable=true", "attention.kind=flash", "attention.beta=7",
-      "optim.lr=3e-4", "optim.clip=none", "data.seq_len=64", "run_dir=/tmp/x", "progress=no",
-      "model.attention_overrides=((1, 'standard'), (1, (0, 3), {'kind': 'flash', 'policy': 'fp32'}))"])
-  assert cfg.model.n_layer == 2 and isinstance(cfg.model.n_layer, int)
-  assert cfg.model.attention == AttentionSpec("flash", stable=True, beta=7.0)
-  assert cfg.optim.lr == 3e-4 and cfg.optim.clip is None and cfg.data.seq_len == 64
-  assert cfg.progress is False and cfg.run_dir == "/tmp/x"
-  assert cfg.model.head_specs(1)[1] == AttentionSpec("standard")
-  assert cfg.model.head_specs(1)[3] == AttentionSpec("flash", policy="fp32")
-  # JSON round trip
-  again = C.from_dict(json.loads(C.to_json(cfg)))
-  assert again == cfg
+    cfg = C.apply_overrides(
+        C.get_preset("tiny-cpu"),
+        [
+            "model.n_layer=2",
+            "attention.stable=true",
+            "attention.kind=flash",
+            "attention.beta=7",
+            "optim.lr=3e-4",
+            "optim.clip=none",
+            "data.seq_len=64",
+            "run_dir=/tmp/x",
+            "progress=no",
+            "model.attention_overrides=((1, 'standard'), (1, (0, 3), {'kind': 'flash', 'policy': 'fp32'}))",
+        ],
+    )
+    assert cfg.model.n_layer == 2 and isinstance(cfg.model.n_layer, int)
+    assert cfg.model.attention == AttentionSpec("flash", stable=True, beta=7.0)
+    assert cfg.optim.lr == 3e-4 and cfg.optim.clip is None and cfg.data.seq_len == 64
+    assert cfg.progress is False and cfg.run_dir == "/tmp/x"
+    assert cfg.model.head_specs(1)[1] == AttentionSpec("standard")
+    assert cfg.model.head_specs(1)[3] == AttentionSpec("flash", policy="fp32")
+    # JSON round trip
+    again = C.from_dict(json.loads(C.to_json(cfg)))
+    assert again == cfg
 
 
-@pytest.mark.parametrize("override, match", [
-    ("model.n_layers=2", "unknown config key"),
-    ("nope=1", "unknown config key"),
-    ("optim.lr.x=1", "no sub-fields"),
-    ("model.n_layer=two", "bad value"),
-    ("attention.stable=maybe", "bad value"),
-    ("optim.warmup_steps=none", "bad value"),      # not optional
-    ("model.attention_overrides=(1,", "bad value"),
-    ("model.n_head=5", "divisible"),               # GPTConfig validation surfaces as a bad value
-    ("optim", "key=value"),
-    ("model=1", "is a group"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("model.n_layers=2", "unknown config key"),
+        ("nope=1", "unknown config key"),
+        ("optim.lr.x=1", "no sub-fields"),
+        ("model.n_layer=two", "bad value"),
+        ("attention.stable=maybe", "bad value"),
+        ("optim.warmup_steps=none", "bad value"),  # not optional
+        ("model.attention_overrides=(1,", "bad value"),
+        ("model.n_head=5", "divisible"),  # GPTConfig validation surfaces as a bad value
+        ("optim", "key=value"),
+        ("model=1", "is a group"),
+    ],
+)
 def test_override_errors(override, match):
-  with pytest.raises(ValueError, match=match):
-    C.apply_overrides(C.get_preset("tiny-cpu"), [override])
+    with pytest.raises(ValueError, match=match):
+        C.apply_overrides(C.get_preset("tiny-cpu"), [override])
 
 
 def test_cli_parsing(capsys):
-  cfg = T.parse_args(["--preset", "small-gpu", "optim.lr=2e-3"])
-  assert cfg.optim.lr == 2e-3 and cfg.model.n_layer == 12
-  with pytest.raises(SystemExit) as e:
-    T.parse_args(["--preset", "tiny-cpu", "optim.lrr=1"])
-  assert e.value.code == 2 and "unknown config key" in capsys.readouterr().err
-  with pytest.raises(SystemExit) as e:
-    T.parse_args(["--preset", "tiny-cpu", "--print-config", "model.n_layer=3"])
-  assert e.value.code == 0 and json.loads(capsys.readouterr().out)["model"]["n_layer"] == 3
+    cfg = T.parse_args(["--preset", "small-gpu", "optim.lr=2e-3"])
+    assert cfg.optim.lr == 2e-3 and cfg.model.n_layer == 12
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["--preset", "tiny-cpu", "optim.lrr=1"])
+    assert e.value.code == 2 and "unknown config key" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["--preset", "tiny-cpu", "--print-config", "model.n_layer=3"])
+    assert e.value.code == 0 and json.loads(capsys.readouterr().out)["model"]["n_layer"] == 3
 
 
 def test_presets():
-  tiny = C.get_preset("tiny-cpu")
-  assert 5e6 < tiny.model.num_params(non_embedding=False) < 1e7
-  small = C.get_preset("small-gpu")
-  assert T.grad_accum_steps(small, 1) == 1 and small.optim.warmup_steps == 500
-  assert small.optim.decay_steps == 600_000 and small.model.n_layer == 12
-  paper = C.get_preset("gpt2-small-paper")
-  for n_dev, accum in [(1, 16), (4, 4), (16, 1)]:
-    assert T.grad_accum_steps(paper, n_dev) == accum
-    assert accum * n_dev * paper.data.batch_size * paper.model.block_size == 524_288
-  with pytest.raises(ValueError, match="multiple"):
-    T.grad_accum_steps(paper, 3)
-  with pytest.raises(ValueError, match="unknown preset"):
-    C.get_preset("huge")
+    tiny = C.get_preset("tiny-cpu")
+    assert 5e6 < tiny.model.num_params(non_embedding=False) < 1e7
+    small = C.get_preset("small-gpu")
+    assert T.grad_accum_steps(small, 1) == 1 and small.optim.warmup_steps == 500
+    assert small.optim.decay_steps == 600_000 and small.model.n_layer == 12
+    paper = C.get_preset("gpt2-small-paper")
+    for n_dev, accum in [(1, 16), (4, 4), (16, 1)]:
+        assert T.grad_accum_steps(paper, n_dev) == accum
+        assert accum * n_dev * paper.data.batch_size * paper.model.block_size == 524_288
+    with pytest.raises(ValueError, match="multiple"):
+        T.grad_accum_steps(paper, 3)
+    with pytest.raises(ValueError, match="unknown preset"):
+        C.get_preset("huge")
 
 
 def test_lr_schedule_nanogpt():
-  cfg = C.apply_overrides(C.get_preset("tiny-cpu"), [
-      "optim.lr=1e-3", "optim.min_lr=1e-5", "optim.warmup_steps=10", "optim.decay_steps=110"])
-  s = T.lr_schedule(cfg)
-  np.testing.assert_allclose(float(s(0)), 1e-3 / 11, rtol=1e-6)
-  np.testing.assert_allclose(float(s(9)), 1e-3 * 10 / 11, rtol=1e-6)
-  np.testing.assert_allclose(float(s(10)), 1e-3, rtol=1e-6)
-  np.testing.assert_allclose(float(s(60)), (1e-3 + 1e-5) / 2, rtol=1e-5)
-  np.testing.assert_allclose(float(s(110)), 1e-5, rtol=1e-5)
-  np.testing.assert_allclose(float(s(500)), 1e-5, rtol=1e-5)
+    cfg = C.apply_overrides(
+        C.get_preset("tiny-cpu"),
+        ["optim.lr=1e-3", "optim.min_lr=1e-5", "optim.warmup_steps=10", "optim.decay_steps=110"],
+    )
+    s = T.lr_schedule(cfg)
+    np.testing.assert_allclose(float(s(0)), 1e-3 / 11, rtol=1e-6)
+    np.testing.assert_allclose(float(s(9)), 1e-3 * 10 / 11, rtol=1e-6)
+    np.testing.assert_allclose(float(s(10)), 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(float(s(60)), (1e-3 + 1e-5) / 2, rtol=1e-5)
+    np.testing.assert_allclose(float(s(110)), 1e-5, rtol=1e-5)
+    np.testing.assert_allclose(float(s(500)), 1e-5, rtol=1e-5)
 
 
 def test_device_peak_table():
-  class Dev:
-    platform, device_kind = "gpu", "NVIDIA H200"
-  assert T.device_peak_flops(Dev()) == 989e12
-  assert T.device_peak_flops(jax.devices("cpu")[0]) is None
+    class Dev:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+    assert T.device_peak_flops(Dev()) == 989e12
+    assert T.device_peak_flops(jax.devices("cpu")[0]) is None
 
 
 # ----------------------------------------------------------------------------- step functions
 
+
 def _setup(cfg):
-  graphdef, params = T.split_model(T.make_model(cfg))
-  tx, schedule = T.make_optimizer(cfg)
-  step = jax.jit(functools.partial(T.train_step, graphdef=graphdef, tx=tx, schedule=schedule),
-                 donate_argnums=0)
-  return graphdef, T.init_state(cfg, params, tx), step
+    graphdef, params = T.split_model(T.make_model(cfg))
+    tx, schedule = T.make_optimizer(cfg)
+    step = jax.jit(
+        functools.partial(T.train_step, graphdef=graphdef, tx=tx, schedule=schedule),
+        donate_argnums=0,
+    )
+    return graphdef, T.init_state(cfg, params, tx), step
 
 
 def test_overfits_one_batch():
-  cfg = micro_cfg("/unused", "model.vocab_size=50304", "optim.warmup_steps=0", "optim.lr=1e-2",
-                  "optim.min_lr=1e-2")
-  _, state, step = _setup(cfg)
-  x = np.random.default_rng(0).integers(0, 50304, (1, 4, 33))
-  batch = (jnp.asarray(x[..., :-1], jnp.int32), jnp.asarray(x[..., 1:], jnp.int32))
-  losses = []
-  for _ in range(25):
-    state, m = step(state, batch)
-    losses.append(float(m["loss"]))
-  assert abs(losses[0] - math.log(50304)) < 0.1, losses[0]
-  assert losses[-1] < 4.0, losses
-  assert int(state["step"]) == 25
+    cfg = micro_cfg(
+        "/unused",
+        "model.vocab_size=50304",
+        "optim.warmup_steps=0",
+        "optim.lr=1e-2",
+        "optim.min_lr=1e-2",
+    )
+    _, state, step = _setup(cfg)
+    x = np.random.default_rng(0).integers(0, 50304, (1, 4, 33))
+    batch = (jnp.asarray(x[..., :-1], jnp.int32), jnp.asarray(x[..., 1:], jnp.int32))
+    losses = []
+    for _ in range(25):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert abs(losses[0] - math.log(50304)) < 0.1, losses[0]
+    assert losses[-1] < 4.0, losses
+    assert int(state["step"]) == 25
 
 
 def test_grad_accumulation_matches_big_batch():
-  # eps=1 makes Adam's first update ~ lr*g (smooth in g) instead of ~ lr*sign(g), whose entries
-  # with g ~ 0 flip on rounding noise
-  cfg = micro_cfg("/unused", "model.dtype=float32", "optim.eps=1.0")
-  _, state, step = _setup(cfg)
-  x = np.random.default_rng(1).integers(0, 512, (8, 33))
-  xb, yb = jnp.asarray(x[:, :-1], jnp.int32), jnp.asarray(x[:, 1:], jnp.int32)
-  with jax.default_matmul_precision("highest"):  # no TF32 on GPU
-    s1, m1 = step(jax.tree.map(jnp.copy, state), (xb[None], yb[None]))
-    s2, m2 = step(state, (xb.reshape(2, 4, 32), yb.reshape(2, 4, 32)))
-  np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
-  np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
-  p0 = jax.tree.leaves(_setup(cfg)[1]["params"])
-  for a, b, c in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"]), p0):
-    upd = np.abs(np.asarray(a) - np.asarray(c)).max()
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * upd + 1e-9)  # 0.1 % of the update
+    # eps=1 makes Adam's first update ~ lr*g (smooth in g) instead of ~ lr*sign(g), whose entries
+    # with g ~ 0 flip on rounding noise
+    cfg = micro_cfg("/unused", "model.dtype=float32", "optim.eps=1.0")
+    _, state, step = _setup(cfg)
+    x = np.random.default_rng(1).integers(0, 512, (8, 33))
+    xb, yb = jnp.asarray(x[:, :-1], jnp.int32), jnp.asarray(x[:, 1:], jnp.int32)
+    with jax.default_matmul_precision("highest"):  # no TF32 on GPU
+        s1, m1 = step(jax.tree.map(jnp.copy, state), (xb[None], yb[None]))
+        s2, m2 = step(state, (xb.reshape(2, 4, 32), yb.reshape(2, 4, 32)))
+    np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
+    p0 = jax.tree.leaves(_setup(cfg)[1]["params"])
+    for a, b, c in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"]), p0):
+        upd = np.abs(np.asarray(a) - np.asarray(c)).max()
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * upd + 1e-9)  # 0.1 % of the update
 
 
 def test_muon_partition_and_step():
-  cfg = micro_cfg("/unused", "optim.name=muon", "optim.muon_lr=0.02")
-  graphdef, state, step = _setup(cfg)
-  dims = T.muon_dimension_numbers(state["params"])
-  assert dims["wte"]["embedding"] is None and dims["wpe"]["embedding"] is None
-  assert dims["ln_f"]["scale"] is None and dims["blocks"][0]["ln_1"]["scale"] is None
-  for name in ("wq", "wk", "wv", "wo"):
-    assert dims["blocks"][1]["attn"][name]["kernel"] is not None
-  assert dims["blocks"][0]["mlp"]["fc"]["kernel"] is not None
-  x = np.random.default_rng(2).integers(0, 512, (1, 4, 33))
-  batch = (jnp.asarray(x[..., :-1], jnp.int32), jnp.asarray(x[..., 1:], jnp.int32))
-  before = jax.tree.map(np.asarray, state["params"])
-  losses = []
-  for _ in range(10):
-    state, m = step(state, batch)
-    losses.append(float(m["loss"]))
-  assert losses[-1] < losses[0] - 0.5, losses
-  # a Muon update of a hidden matrix is orthogonalised: its singular values are nearly equal
-  # (Newton-Schulz), unlike AdamW's; check the first update direction of one W_Q
-  _, s0, step1 = _setup(cfg)
-  s1, _ = step1(s0, batch)
-  dw = np.asarray(s1["params"]["blocks"][0]["attn"]["wq"]["kernel"]) - before["blocks"][0]["attn"]["wq"]["kernel"]
-  sv = np.linalg.svd(dw, compute_uv=False)
-  assert np.median(sv) / sv.max() > 0.4, sv
+    cfg = micro_cfg("/unused", "optim.name=muon", "optim.muon_lr=0.02")
+    graphdef, state, step = _setup(cfg)
+    dims = T.muon_dimension_numbers(state["params"])
+    assert dims["wte"]["embedding"] is None and dims["wpe"]["embedding"] is None
+    assert dims["ln_f"]["scale"] is None and dims["blocks"][0]["ln_1"]["scale"] is None
+    for name in ("wq", "wk", "wv", "wo"):
+        assert dims["blocks"][1]["attn"][name]["kernel"] is not None
+    assert dims["blocks"][0]["mlp"]["fc"]["kernel"] is not None
+    x = np.random.default_rng(2).integers(0, 512, (1, 4, 33))
+    batch = (jnp.asarray(x[..., :-1], jnp.int32), jnp.asarray(x[..., 1:], jnp.int32))
+    before = jax.tree.map(np.asarray, state["params"])
+    losses = []
+    for _ in range(10):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0] - 0.5, losses
+    # a Muon update of a hidden matrix is orthogonalised: its singular values are nearly equal
+    # (Newton-Schulz), unlike AdamW's; check the first update direction of one W_Q
+    _, s0, step1 = _setup(cfg)
+    s1, _ = step1(s0, batch)
+    dw = (
+        np.asarray(s1["params"]["blocks"][0]["attn"]["wq"]["kernel"])
+        - before["blocks"][0]["attn"]["wq"]["kernel"]
+    )
+    sv = np.linalg.svd(dw, compute_uv=False)
+    assert np.median(sv) / sv.max() > 0.4, sv
 
 
 def test_checkpoint_round_trip(tmp_path):
-  cfg = micro_cfg(tmp_path)
-  _, state, step = _setup(cfg)
-  x = np.random.default_rng(3).integers(0, 512, (1, 4, 33))
-  state, _ = step(state, (jnp.asarray(x[..., :-1], jnp.int32), jnp.asarray(x[..., 1:], jnp.int32)))
-  mngr = T._checkpoint_manager(tmp_path, keep=2)
-  meta = {"step": 1, "sampler": {"seed": 0, "step": 7}, "running_min": 5.5}
-  T.save_checkpoint(mngr, 1, state, meta)
-  like = jax.tree.map(jnp.zeros_like, state)
-  restored, meta2 = T.restore_checkpoint(mngr, mngr.latest_step(), like, None)
-  assert meta2 == meta
-  assert jax.tree.structure(restored) == jax.tree.structure(state)
-  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
-    assert a.dtype == b.dtype
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  mngr.close()
+    cfg = micro_cfg(tmp_path)
+    _, state, step = _setup(cfg)
+    x = np.random.default_rng(3).integers(0, 512, (1, 4, 33))
+    state, _ = step(
+        state, (jnp.asarray(x[..., :-1], jnp.int32), jnp.asarray(x[..., 1:], jnp.int32))
+    )
+    mngr = T._checkpoint_manager(tmp_path, keep=2)
+    meta = {"step": 1, "sampler": {"seed": 0, "step": 7}, "running_min": 5.5}
+    T.save_checkpoint(mngr, 1, state, meta)
+    like = jax.tree.map(jnp.zeros_like, state)
+    restored, meta2 = T.restore_checkpoint(mngr, mngr.latest_step(), like, None)
+    assert meta2 == meta
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mngr.close()
 
 
 # ----------------------------------------------------------------------------- the loop
 
+
 def test_train_loop_writes_metrics_summary_and_probes(tmp_path):
-  seen = []
-  def probe(step, model, batch):
-    seen.append(step)
-    x, y = batch
-    assert x.shape == (4, 32)
-    return {"wq_norm_l1": float(jnp.linalg.norm(model.blocks[1].attn.wq.kernel[...]))}
-  cfg = micro_cfg(tmp_path / "run", "probe_every=3")
-  summary = T.train(cfg, tokens=Tokens(), probes=[probe])
-  run = tmp_path / "run"
-  assert json.loads((run / "config.json").read_text())["model"]["n_layer"] == 2
-  assert json.loads((run / "summary.json").read_text()) == summary
-  ms = T.read_metrics(run)
-  assert [m["step"] for m in ms] == list(range(1, 9))
-  for m in ms:
-    assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu"} <= m.keys()
-    assert m["tokens_per_s"] > 0
-    assert (m["mfu"] is None) == (jax.default_backend() == "cpu")
-  assert [m["step"] for m in ms if "val_loss" in m] == [4, 8]
-  assert seen == [3, 6] and [m["step"] for m in ms if "wq_norm_l1" in m] == [3, 6]
-  np.testing.assert_allclose(ms[0]["lr"], 1e-2 / 3, rtol=1e-6)  # warmup 2: lr*(0+1)/3
-  assert ms[-1]["loss"] < ms[0]["loss"] - 0.1
-  assert summary["steps"] == 8 and summary["diverged_at"] is None
-  assert summary["final_loss"] == ms[-1]["loss"] and summary["final_val_loss"] == ms[-1]["val_loss"]
+    seen = []
+
+    def probe(step, model, batch):
+        seen.append(step)
+        x, y = batch
+        assert x.shape == (4, 32)
+        return {"wq_norm_l1": float(jnp.linalg.norm(model.blocks[1].attn.wq.kernel[...]))}
+
+    cfg = micro_cfg(tmp_path / "run", "probe_every=3")
+    summary = T.train(cfg, tokens=Tokens(), probes=[probe])
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["model"]["n_layer"] == 2
+    assert json.loads((run / "summary.json").read_text()) == summary
+    ms = T.read_metrics(run)
+    assert [m["step"] for m in ms] == list(range(1, 9))
+    for m in ms:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu"} <= m.keys()
+        assert m["tokens_per_s"] > 0
+        assert (m["mfu"] is None) == (jax.default_backend() == "cpu")
+    assert [m["step"] for m in ms if "val_loss" in m] == [4, 8]
+    assert seen == [3, 6] and [m["step"] for m in ms if "wq_norm_l1" in m] == [3, 6]
+    np.testing.assert_allclose(ms[0]["lr"], 1e-2 / 3, rtol=1e-6)  # warmup 2: lr*(0+1)/3
+    assert ms[-1]["loss"] < ms[0]["loss"] - 0.1
+    assert summary["steps"] == 8 and summary["diverged_at"] is None
+    assert (
+        summary["final_loss"] == ms[-1]["loss"] and summary["final_val_loss"] == ms[-1]["val_loss"]
+    )
 
 
 def test_resume_is_bitwise(tmp_path):
-  tokens = Tokens()
-  full = T.train(micro_cfg(tmp_path / "full"), tokens=tokens)
-  part = micro_cfg(tmp_path / "part", "checkpoint_every=4")
-  T.train(part, tokens=tokens, stop_after=4)                # "interrupted" after step 4
-  assert len(T.read_metrics(tmp_path / "part")) == 4
-  resumed = T.train(dataclasses.replace(part, resume=True), tokens=tokens)
-  assert resumed["resumed_from"] == 4 and full["resumed_from"] is None
-  a, b = T.read_metrics(tmp_path / "full"), T.read_metrics(tmp_path / "part")
-  assert [m["step"] for m in b] == list(range(1, 9))
-  assert [m["loss"] for m in a] == [m["loss"] for m in b]             # bitwise (floats from JSON)
-  assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
-  assert [m.get("val_loss") for m in a] == [m.get("val_loss") for m in b]
+    tokens = Tokens()
+    full = T.train(micro_cfg(tmp_path / "full"), tokens=tokens)
+    part = micro_cfg(tmp_path / "part", "checkpoint_every=4")
+    T.train(part, tokens=tokens, stop_after=4)  # "interrupted" after step 4
+    assert len(T.read_metrics(tmp_path / "part")) == 4
+    resumed = T.train(dataclasses.replace(part, resume=True), tokens=tokens)
+    assert resumed["resumed_from"] == 4 and full["resumed_from"] is None
+    a, b = T.read_metrics(tmp_path / "full"), T.read_metrics(tmp_path / "part")
+    assert [m["step"] for m in b] == list(range(1, 9))
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bitwise (floats from JSON)
+    assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
+    assert [m.get("val_loss") for m in a] == [m.get("val_loss") for m in b]
 
 
 def _plant(monkeypatch, at_step, fn):
-  """Replace the loss metric of step `at_step` (1-based) by fn(loss)."""
-  orig = T.train_step
-  def planted(state, batch, **kw):
-    new, m = orig(state, batch, **kw)
-    m = dict(m, loss=jnp.where(state["step"] == at_step - 1, fn(m["loss"]), m["loss"]))
-    return new, m
-  monkeypatch.setattr(T, "train_step", planted)
+    """Replace the loss metric of step `at_step` (1-based) by fn(loss)."""
+    orig = T.train_step
+
+    def planted(state, batch, **kw):
+        new, m = orig(state, batch, **kw)
+        m = dict(m, loss=jnp.where(state["step"] == at_step - 1, fn(m["loss"]), m["loss"]))
+        return new, m
+
+    monkeypatch.setattr(T, "train_step", planted)
 
 
 def test_divergence_stops_on_planted_nan(tmp_path, monkeypatch):
-  _plant(monkeypatch, 3, lambda l: l * jnp.nan)
-  summary = T.train(micro_cfg(tmp_path, "max_steps=20"), tokens=Tokens())
-  assert summary["diverged_at"] == 3 and "non-finite" in summary["reason"]
-  assert json.loads((tmp_path / "summary.json").read_text())["diverged_at"] == 3
-  assert [m["step"] for m in T.read_metrics(tmp_path)] == [1, 2, 3]
+    _plant(monkeypatch, 3, lambda l: l * jnp.nan)
+    summary = T.train(micro_cfg(tmp_path, "max_steps=20"), tokens=Tokens())
+    assert summary["diverged_at"] == 3 and "non-finite" in summary["reason"]
+    assert json.loads((tmp_path / "summary.json").read_text())["diverged_at"] == 3
+    assert [m["step"] for m in T.read_metrics(tmp_path)] == [1, 2, 3]
 
 
 def test_divergence_stops_on_loss_spike_after_warmup(tmp_path, monkeypatch):
-  _plant(monkeypatch, 6, lambda l: l * 3.5)
-  summary = T.train(micro_cfg(tmp_path, "max_steps=20", "eval_every=0"), tokens=Tokens())
-  assert summary["diverged_at"] == 6 and "running min" in summary["reason"]
-  # disabled factor: runs to the end
-  summary = T.train(micro_cfg(tmp_path, "max_steps=8", "eval_every=0", "divergence_factor=0"),
-                    tokens=Tokens())
-  assert summary["diverged_at"] is None and summary["steps"] == 8
+    _plant(monkeypatch, 6, lambda l: l * 3.5)
+    summary = T.train(micro_cfg(tmp_path, "max_steps=20", "eval_every=0"), tokens=Tokens())
+    assert summary["diverged_at"] == 6 and "running min" in summary["reason"]
+    # disabled factor: runs to the end
+    summary = T.train(
+        micro_cfg(tmp_path, "max_steps=8", "eval_every=0", "divergence_factor=0"), tokens=Tokens()
+    )
+    assert summary["diverged_at"] is None and summary["steps"] == 8
 
 
 def test_data_parallel_matches_single_device(tmp_path):
-  """4 host devices (global micro-batch 8 = 4 x 2) vs 1 device (8): same losses within FP32
-  reduction-order noise. Measured at lr 3e-3: losses ~2e-7 relative, grad norms ~1e-6 (bf16
-  compute: ~1e-5); Adam amplifies the noise on near-zero gradients, so it grows with lr and steps."""
-  script = textwrap.dedent(f"""
+    """4 host devices (global micro-batch 8 = 4 x 2) vs 1 device (8): same losses within FP32
+    reduction-order noise. Measured at lr 3e-3: losses ~2e-7 relative, grad norms ~1e-6 (bf16
+    compute: ~1e-5); Adam amplifies the noise on near-zero gradients, so it grows with lr and steps."""
+    script = textwrap.dedent(f"""
       import json, sys
       sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
       import jax
@@ -297,41 +352,47 @@ def test_data_parallel_matches_single_device(tmp_path):
       T.train(cfg, tokens=Tokens())
       print("RESULT", json.dumps([n] + [[m["loss"], m["grad_norm"]] for m in T.read_metrics(cfg.run_dir)]))
   """)
-  out = {}
-  for n in (1, 4):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-    res = json.loads(line.split(" ", 1)[1])
-    assert res[0] == n
-    out[n] = np.array(res[1:])
-  assert json.loads((tmp_path / "run4" / "summary.json").read_text())["n_devices"] == 4
-  np.testing.assert_allclose(out[4][:, 0], out[1][:, 0], rtol=1e-5)   # losses
-  np.testing.assert_allclose(out[4][:, 1], out[1][:, 1], rtol=1e-4)   # grad norms
-  assert not np.array_equal(out[1][0], out[1][-1])  # it trained
+    out = {}
+    for n in (1, 4):
+        env = dict(
+            os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
+        res = json.loads(line.split(" ", 1)[1])
+        assert res[0] == n
+        out[n] = np.array(res[1:])
+    assert json.loads((tmp_path / "run4" / "summary.json").read_text())["n_devices"] == 4
+    np.testing.assert_allclose(out[4][:, 0], out[1][:, 0], rtol=1e-5)  # losses
+    np.testing.assert_allclose(out[4][:, 1], out[1][:, 1], rtol=1e-4)  # grad norms
+    assert not np.array_equal(out[1][0], out[1][-1])  # it trained
 
 
 @pytest.mark.slow  # skipped unless JAX_FLASH_SLOW=1 (tests/conftest.py)
 def test_tiny_cpu_preset_learns(tmp_path):
-  """The tiny-cpu preset for 300 steps on the repeated synthetic corpus (minutes on 2 cores)."""
-  cfg = C.apply_overrides(C.get_preset("tiny-cpu"), [f"run_dir={tmp_path}", "progress=false"])
-  summary = T.train(cfg, tokens=Tokens(vocab=50304, n=20000))
-  assert summary["diverged_at"] is None and summary["final_loss"] < 6.0
+    """The tiny-cpu preset for 300 steps on the repeated synthetic corpus (minutes on 2 cores)."""
+    cfg = C.apply_overrides(C.get_preset("tiny-cpu"), [f"run_dir={tmp_path}", "progress=false"])
+    summary = T.train(cfg, tokens=Tokens(vocab=50304, n=20000))
+    assert summary["diverged_at"] is None and summary["final_loss"] < 6.0
 
 
 def test_recorded_data_order_replays_the_run(tmp_path):
-  """The paper's record-and-replay: a run that records its batches and a run that replays the file
-  (with a different sampler seed, which replay must ignore) train on the same data: same losses."""
-  tokens = Tokens()
-  rec = T.train(micro_cfg(tmp_path / "rec", "data.record=true", "eval_every=0"), tokens=tokens)
-  order = tmp_path / "rec" / "data_order.bin"
-  assert order.exists()
-  rep = T.train(micro_cfg(tmp_path / "rep", f"data.replay={order}", "data.seed=99", "eval_every=0"),
-                tokens=tokens)
-  a, b = T.read_metrics(tmp_path / "rec"), T.read_metrics(tmp_path / "rep")
-  assert rec["steps"] == rep["steps"] == len(a) == len(b)
-  assert [m["loss"] for m in a] == [m["loss"] for m in b]
-  other = T.train(micro_cfg(tmp_path / "other", "data.seed=99", "eval_every=0"), tokens=tokens)
-  assert [m["loss"] for m in T.read_metrics(tmp_path / "other")] != [m["loss"] for m in a]
+    """The paper's record-and-replay: a run that records its batches and a run that replays the file
+    (with a different sampler seed, which replay must ignore) train on the same data: same losses."""
+    tokens = Tokens()
+    rec = T.train(micro_cfg(tmp_path / "rec", "data.record=true", "eval_every=0"), tokens=tokens)
+    order = tmp_path / "rec" / "data_order.bin"
+    assert order.exists()
+    rep = T.train(
+        micro_cfg(tmp_path / "rep", f"data.replay={order}", "data.seed=99", "eval_every=0"),
+        tokens=tokens,
+    )
+    a, b = T.read_metrics(tmp_path / "rec"), T.read_metrics(tmp_path / "rep")
+    assert rec["steps"] == rep["steps"] == len(a) == len(b)
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]
+    # Without the replay file the other seed draws other batches: the replay was what matched.
+    T.train(micro_cfg(tmp_path / "other", "data.seed=99", "eval_every=0"), tokens=tokens)
+    assert [m["loss"] for m in T.read_metrics(tmp_path / "other")] != [m["loss"] for m in a]

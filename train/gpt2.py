@@ -18,10 +18,10 @@ steps, except on steps that evaluate, probe or checkpoint.
 Divergence: the run stops when a step's loss is non-finite, or, after warmup, when it exceeds
 ``divergence_factor`` (default 3) times the running minimum of all earlier losses.
 """
+
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -29,7 +29,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,406 +50,483 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e
 
 # ----------------------------------------------------------------------------- model & optimizer
 
+
 def make_model(cfg: TrainConfig | GPTConfig, seed: int | None = None) -> GPT:
-  mcfg = cfg.model if isinstance(cfg, TrainConfig) else cfg
-  if seed is None:
-    seed = cfg.seed if isinstance(cfg, TrainConfig) else 0
-  return GPT(mcfg, rngs=nnx.Rngs(seed))
+    mcfg = cfg.model if isinstance(cfg, TrainConfig) else cfg
+    if seed is None:
+        seed = cfg.seed if isinstance(cfg, TrainConfig) else 0
+    return GPT(mcfg, rngs=nnx.Rngs(seed))
 
 
 def split_model(model: GPT):
-  """(graphdef, params) with params a plain nested dict of arrays (layer keys are ints)."""
-  graphdef, state = nnx.split(model)
-  return graphdef, nnx.to_pure_dict(state)
+    """(graphdef, params) with params a plain nested dict of arrays (layer keys are ints)."""
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-  """nanoGPT's schedule: lr*(t+1)/(warmup+1) during warmup, then cosine to min_lr at decay_steps,
-  then min_lr. t is the 0-based update count (optax's count)."""
-  o = cfg.optim
-  peak, floor, warm = o.lr, o.min_lr, o.warmup_steps
-  decay = o.decay_steps if o.decay_steps is not None else cfg.max_steps
+    """nanoGPT's schedule: lr*(t+1)/(warmup+1) during warmup, then cosine to min_lr at decay_steps,
+    then min_lr. t is the 0-based update count (optax's count)."""
+    o = cfg.optim
+    peak, floor, warm = o.lr, o.min_lr, o.warmup_steps
+    decay = o.decay_steps if o.decay_steps is not None else cfg.max_steps
 
-  def schedule(count):
-    t = jnp.asarray(count, jnp.float32)
-    warm_lr = peak * (t + 1) / (warm + 1)
-    frac = jnp.clip((t - warm) / max(decay - warm, 1), 0.0, 1.0)
-    cos_lr = floor + 0.5 * (1.0 + jnp.cos(jnp.pi * frac)) * (peak - floor)
-    return jnp.where(t < warm, warm_lr, cos_lr)
+    def schedule(count):
+        t = jnp.asarray(count, jnp.float32)
+        warm_lr = peak * (t + 1) / (warm + 1)
+        frac = jnp.clip((t - warm) / max(decay - warm, 1), 0.0, 1.0)
+        cos_lr = floor + 0.5 * (1.0 + jnp.cos(jnp.pi * frac)) * (peak - floor)
+        return jnp.where(t < warm, warm_lr, cos_lr)
 
-  return schedule
+    return schedule
 
 
 def _is_hidden_matrix(path, x) -> bool:
-  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-  return x.ndim == 2 and keys[0] == "blocks"
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return x.ndim == 2 and keys[0] == "blocks"
 
 
 def muon_dimension_numbers(params):
-  """Muon for the 2-D kernels inside the blocks; None (AdamW) for embeddings/head and LayerNorms."""
-  from optax.contrib import MuonDimensionNumbers
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: MuonDimensionNumbers() if _is_hidden_matrix(path, x) else None, params)
+    """Muon for the 2-D kernels inside the blocks; None (AdamW) for embeddings/head and LayerNorms."""
+    from optax.contrib import MuonDimensionNumbers
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: MuonDimensionNumbers() if _is_hidden_matrix(path, x) else None, params
+    )
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  o = cfg.optim
-  schedule = lr_schedule(cfg)
-  if o.name == "adamw":
-    tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
-  elif o.name == "muon":
-    muon_lr = o.muon_lr if o.muon_lr is not None else 0.02
-    ratio = muon_lr / o.lr
-    tx = optax.contrib.muon(
-        learning_rate=lambda c: schedule(c) * ratio, beta=o.muon_beta, eps=o.eps,
-        weight_decay=o.weight_decay, adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=o.weight_decay,
-        adam_learning_rate=schedule, muon_weight_dimension_numbers=muon_dimension_numbers)
-  else:
-    raise ValueError(f"unknown optimizer {o.name!r} (adamw, muon)")
-  if o.clip:
-    tx = optax.chain(optax.clip_by_global_norm(o.clip), tx)
-  return tx, schedule
+    o = cfg.optim
+    schedule = lr_schedule(cfg)
+    if o.name == "adamw":
+        tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    elif o.name == "muon":
+        muon_lr = o.muon_lr if o.muon_lr is not None else 0.02
+        ratio = muon_lr / o.lr
+        tx = optax.contrib.muon(
+            learning_rate=lambda c: schedule(c) * ratio,
+            beta=o.muon_beta,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            adam_b1=o.b1,
+            adam_b2=o.b2,
+            adam_weight_decay=o.weight_decay,
+            adam_learning_rate=schedule,
+            muon_weight_dimension_numbers=muon_dimension_numbers,
+        )
+    else:
+        raise ValueError(f"unknown optimizer {o.name!r} (adamw, muon)")
+    if o.clip:
+        tx = optax.chain(optax.clip_by_global_norm(o.clip), tx)
+    return tx, schedule
 
 
 def init_state(cfg: TrainConfig, params, tx) -> dict:
-  return {
-      "step": jnp.zeros((), jnp.int32),
-      "params": params,
-      "opt_state": tx.init(params),
-      "rng": jax.random.PRNGKey(cfg.seed),  # raw uint32[2] key: checkpoints as a plain array
-  }
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": tx.init(params),
+        "rng": jax.random.PRNGKey(cfg.seed),  # raw uint32[2] key: checkpoints as a plain array
+    }
 
 
 # ----------------------------------------------------------------------------- step functions
 
+
 def loss_fn(params, graphdef, x, y):
-  logits = nnx.merge(graphdef, params)(x)
-  return cross_entropy(logits, y)
+    logits = nnx.merge(graphdef, params)(x)
+    return cross_entropy(logits, y)
 
 
 def train_step(state: dict, batch, *, graphdef, tx, schedule):
-  """One optimizer step. batch = (x, y), int32 [accum, batch, seq]; returns (state, metrics)."""
-  x, y = batch
-  params = state["params"]
-  grad_fn = jax.value_and_grad(loss_fn)
+    """One optimizer step. batch = (x, y), int32 [accum, batch, seq]; returns (state, metrics)."""
+    x, y = batch
+    params = state["params"]
+    grad_fn = jax.value_and_grad(loss_fn)
 
-  def micro(carry, xy):
-    g_sum, l_sum = carry
-    loss, grads = grad_fn(params, graphdef, *xy)
-    return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss), None
+    def micro(carry, xy):
+        g_sum, l_sum = carry
+        loss, grads = grad_fn(params, graphdef, *xy)
+        return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (x, y))
-  n = x.shape[0]
-  if n > 1:
-    grads = jax.tree.map(lambda g: g / n, grads)
-    loss = loss / n
-  updates, opt_state = tx.update(grads, state["opt_state"], params)
-  new_state = {
-      "step": state["step"] + 1,
-      "params": optax.apply_updates(params, updates),
-      "opt_state": opt_state,
-      "rng": jax.random.split(state["rng"])[0],
-  }
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-  return new_state, metrics
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (x, y))
+    n = x.shape[0]
+    if n > 1:
+        grads = jax.tree.map(lambda g: g / n, grads)
+        loss = loss / n
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_state = {
+        "step": state["step"] + 1,
+        "params": optax.apply_updates(params, updates),
+        "opt_state": opt_state,
+        "rng": jax.random.split(state["rng"])[0],
+    }
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+    return new_state, metrics
 
 
 def eval_step(params, batches, *, graphdef):
-  """Mean loss over batches = (x, y), int32 [n, batch, seq]."""
-  losses = jax.lax.map(lambda xy: loss_fn(params, graphdef, *xy), batches)
-  return jnp.mean(losses)
+    """Mean loss over batches = (x, y), int32 [n, batch, seq]."""
+    losses = jax.lax.map(lambda xy: loss_fn(params, graphdef, *xy), batches)
+    return jnp.mean(losses)
 
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def grad_accum_steps(cfg: TrainConfig, n_devices: int) -> int:
-  d = cfg.data
-  if d.tokens_per_step is None:
-    return d.grad_accum
-  seq = d.seq_len or cfg.model.block_size
-  per = d.batch_size * n_devices * seq
-  if d.tokens_per_step % per:
-    raise ValueError(f"tokens_per_step={d.tokens_per_step} is not a multiple of batch_size*devices*seq_len={per}")
-  return d.tokens_per_step // per
+    d = cfg.data
+    if d.tokens_per_step is None:
+        return d.grad_accum
+    seq = d.seq_len or cfg.model.block_size
+    per = d.batch_size * n_devices * seq
+    if d.tokens_per_step % per:
+        raise ValueError(
+            f"tokens_per_step={d.tokens_per_step} is not a multiple of batch_size*devices*seq_len={per}"
+        )
+    return d.tokens_per_step // per
 
 
 def flops_per_token(mcfg: GPTConfig, seq_len: int) -> float:
-  """nanoGPT's estimate: 6N (N without position embeddings) + 12*L*d*T for attention."""
-  return 6 * mcfg.num_params(non_embedding=True) + 12 * mcfg.n_layer * mcfg.n_embd * seq_len
+    """nanoGPT's estimate: 6N (N without position embeddings) + 12*L*d*T for attention."""
+    return 6 * mcfg.num_params(non_embedding=True) + 12 * mcfg.n_layer * mcfg.n_embd * seq_len
 
 
 def device_peak_flops(device) -> float | None:
-  if device.platform != "gpu":
+    if device.platform != "gpu":
+        return None
+    kind = getattr(device, "device_kind", "")
+    for name, peak in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if name in kind:
+            return peak
     return None
-  kind = getattr(device, "device_kind", "")
-  for name, peak in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
-    if name in kind:
-      return peak
-  return None
 
 
 def _jsonable(x):
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  if isinstance(x, np.generic):
-    return x.item()
-  return x
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
 
 
 def _default_sampler(tokens, batch_size, seq_len, seed, record_to=None):
-  from train.data import BatchSampler
-  return BatchSampler(tokens, batch_size, seq_len, seed, record_to=record_to)
+    from train.data import BatchSampler
+
+    return BatchSampler(tokens, batch_size, seq_len, seed, record_to=record_to)
 
 
 def _load_tokens(path):
-  from train.data import load_tokens
-  return load_tokens(path)
+    from train.data import load_tokens
+
+    return load_tokens(path)
 
 
 def _checkpoint_manager(run_dir: Path, keep: int):
-  import orbax.checkpoint as ocp
-  opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False)
-  return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=opts)
+    import orbax.checkpoint as ocp
+
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False)
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=opts)
 
 
 def save_checkpoint(mngr, step: int, state: dict, meta: dict) -> None:
-  import orbax.checkpoint as ocp
-  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                          meta=ocp.args.JsonSave(_jsonable(meta))), force=True)
-  mngr.wait_until_finished()
+    import orbax.checkpoint as ocp
+
+    mngr.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(_jsonable(meta))
+        ),
+        force=True,
+    )
+    mngr.wait_until_finished()
 
 
 def restore_checkpoint(mngr, step: int, like_state: dict, sharding) -> tuple[dict, dict]:
-  import orbax.checkpoint as ocp
-  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), like_state)
-  out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                   meta=ocp.args.JsonRestore()))
-  return out["state"], out["meta"]
+    import orbax.checkpoint as ocp
+
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), like_state
+    )
+    out = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        ),
+    )
+    return out["state"], out["meta"]
 
 
 # ----------------------------------------------------------------------------- the loop
 
-def train(cfg: TrainConfig, *, tokens=None, sampler_fn: Callable | None = None,
-          probes: Sequence[Probe] = (), stop_after: int | None = None) -> dict:
-  """Train and return the summary dict (also written to <run_dir>/summary.json).
 
-  tokens: an object with 1-D ``.train`` / ``.val`` token arrays (default: load cfg.data.path).
-  sampler_fn(tokens_1d, batch_size, seq_len, seed, record_to) -> sampler with ``.next()`` and
-    ``state_dict()/load_state_dict()`` (default: train.data.BatchSampler). It is asked for
-    batch_size = micro-batch * devices * accumulation windows per optimizer step.
-  probes: callables ``probe(step, model, (x, y)) -> dict`` called every cfg.probe_every steps on the
-    model after that step's update and the step's first micro-batch; their outputs are merged into
-    the step's metrics record. The model's arrays are donated by the next step: copy what you keep.
-  stop_after: stop (as if interrupted) after this many steps, without evaluating at the end.
-  """
-  run_dir = Path(cfg.run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
-  (run_dir / "config.json").write_text(config_lib.to_json(cfg))
+def train(
+    cfg: TrainConfig,
+    *,
+    tokens=None,
+    sampler_fn: Callable | None = None,
+    probes: Sequence[Probe] = (),
+    stop_after: int | None = None,
+) -> dict:
+    """Train and return the summary dict (also written to <run_dir>/summary.json).
 
-  devices = jax.devices()
-  n_dev = len(devices)
-  mesh = Mesh(np.array(devices), ("data",))
-  replicated = NamedSharding(mesh, P())
-  data_sharding = NamedSharding(mesh, P(None, "data"))
+    tokens: an object with 1-D ``.train`` / ``.val`` token arrays (default: load cfg.data.path).
+    sampler_fn(tokens_1d, batch_size, seq_len, seed, record_to) -> sampler with ``.next()`` and
+      ``state_dict()/load_state_dict()`` (default: train.data.BatchSampler). It is asked for
+      batch_size = micro-batch * devices * accumulation windows per optimizer step.
+    probes: callables ``probe(step, model, (x, y)) -> dict`` called every cfg.probe_every steps on the
+      model after that step's update and the step's first micro-batch; their outputs are merged into
+      the step's metrics record. The model's arrays are donated by the next step: copy what you keep.
+    stop_after: stop (as if interrupted) after this many steps, without evaluating at the end.
+    """
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(config_lib.to_json(cfg))
 
-  seq_len = cfg.data.seq_len or cfg.model.block_size
-  accum = grad_accum_steps(cfg, n_dev)
-  micro = cfg.data.batch_size * n_dev
-  tokens_per_step = micro * accum * seq_len
+    devices = jax.devices()
+    n_dev = len(devices)
+    mesh = Mesh(np.array(devices), ("data",))
+    replicated = NamedSharding(mesh, P())
+    data_sharding = NamedSharding(mesh, P(None, "data"))
 
-  if tokens is None:
-    tokens = _load_tokens(cfg.data.path)
-  sampler_fn = sampler_fn or _default_sampler
-  if cfg.data.replay:
-    from train.data import ReplaySampler
-    sampler = ReplaySampler(tokens.train, seq_len, cfg.data.replay)
-    if sampler.batch_size != micro * accum:
-      raise ValueError(f"{cfg.data.replay} has {sampler.batch_size} windows per step; this run "
-                       f"needs micro-batch x devices x accumulation = {micro * accum}")
-  else:
-    record_to = str(run_dir / "data_order.bin") if cfg.data.record else None
-    sampler = sampler_fn(tokens.train, micro * accum, seq_len, cfg.data.seed, record_to)
+    seq_len = cfg.data.seq_len or cfg.model.block_size
+    accum = grad_accum_steps(cfg, n_dev)
+    micro = cfg.data.batch_size * n_dev
+    tokens_per_step = micro * accum * seq_len
 
-  model = make_model(cfg)
-  graphdef, params = split_model(model)
-  del model
-  n_params = count_params(params)
-  tx, schedule = make_optimizer(cfg)
-  state = jax.device_put(init_state(cfg, params, tx), replicated)
+    if tokens is None:
+        tokens = _load_tokens(cfg.data.path)
+    sampler_fn = sampler_fn or _default_sampler
+    if cfg.data.replay:
+        from train.data import ReplaySampler
 
-  step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule),
-                    donate_argnums=0, out_shardings=(replicated, replicated))
-  eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef), out_shardings=replicated)
+        sampler = ReplaySampler(tokens.train, seq_len, cfg.data.replay)
+        if sampler.batch_size != micro * accum:
+            raise ValueError(
+                f"{cfg.data.replay} has {sampler.batch_size} windows per step; this run "
+                f"needs micro-batch x devices x accumulation = {micro * accum}"
+            )
+    else:
+        record_to = str(run_dir / "data_order.bin") if cfg.data.record else None
+        sampler = sampler_fn(tokens.train, micro * accum, seq_len, cfg.data.seed, record_to)
 
-  eval_data = None
-  if cfg.eval_every and cfg.data.eval_batches and len(tokens.val) > seq_len + 1:
-    from train.data import fixed_batch
-    ex, ey = fixed_batch(tokens.val, micro * cfg.data.eval_batches, seq_len, seed=1234)
-    shape = (cfg.data.eval_batches, micro, seq_len)
-    eval_data = jax.device_put((ex.reshape(shape), ey.reshape(shape)), data_sharding)
+    model = make_model(cfg)
+    graphdef, params = split_model(model)
+    del model
+    n_params = count_params(params)
+    tx, schedule = make_optimizer(cfg)
+    state = jax.device_put(init_state(cfg, params, tx), replicated)
 
-  # ---- resume
-  start = 0
-  running_min = math.inf
-  mngr = _checkpoint_manager(run_dir, cfg.keep_checkpoints) if (cfg.checkpoint_every or cfg.resume) else None
-  if cfg.resume and mngr is not None and mngr.latest_step() is not None:
-    start = int(mngr.latest_step())
-    state, meta = restore_checkpoint(mngr, start, state, replicated)
-    sampler.load_state_dict(meta["sampler"])
-    running_min = float(meta["running_min"])
-    print(f"resumed from step {start} ({run_dir / 'checkpoints'})")
-  metrics_path = run_dir / "metrics.jsonl"
-  if start and metrics_path.exists():  # drop records past the checkpoint
-    kept = [l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= start]
-    metrics_path.write_text("".join(l + "\n" for l in kept))
-  elif not start:
-    metrics_path.write_text("")
+    step_fn = jax.jit(
+        functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule),
+        donate_argnums=0,
+        out_shardings=(replicated, replicated),
+    )
+    eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef), out_shardings=replicated)
 
-  peak = device_peak_flops(devices[0])
-  fpt = flops_per_token(cfg.model, seq_len)
-  warmup = cfg.optim.warmup_steps
-  last_step = cfg.max_steps if stop_after is None else min(cfg.max_steps, start + stop_after)
+    eval_data = None
+    if cfg.eval_every and cfg.data.eval_batches and len(tokens.val) > seq_len + 1:
+        from train.data import fixed_batch
 
-  from tqdm.auto import tqdm
-  bar = tqdm(total=cfg.max_steps, initial=start, disable=not cfg.progress, dynamic_ncols=True)
-  status = {"diverged_at": None, "reason": None, "last": None, "last_val": None}
-  times = {"ref": time.perf_counter(), "steps": [], "t0": time.perf_counter()}
+        ex, ey = fixed_batch(tokens.val, micro * cfg.data.eval_batches, seq_len, seed=1234)
+        shape = (cfg.data.eval_batches, micro, seq_len)
+        eval_data = jax.device_put((ex.reshape(shape), ey.reshape(shape)), data_sharding)
 
-  def record(step: int, m, extra: dict | None = None, done_at: float | None = None):
-    """Fetch a step's metrics (blocks until it is done), log them, check for divergence."""
-    nonlocal running_min
-    m = {k: float(v) for k, v in jax.device_get(m).items()}
-    now = time.perf_counter() if done_at is None else done_at
-    dt = now - times["ref"]
-    times["ref"] = now
-    if step > start + 1:  # the first step of a process includes compilation
-      times["steps"].append(dt)
-    rec = {"step": step, **m, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-           "mfu": (fpt * tokens_per_step / dt / (peak * n_dev)) if peak else None}
-    if extra:
-      rec.update(extra)
-    loss = m["loss"]
-    if not math.isfinite(loss):
-      status.update(diverged_at=step, reason=f"non-finite loss {loss}")
-    elif (cfg.divergence_factor and step > warmup and math.isfinite(running_min)
-          and loss > cfg.divergence_factor * running_min):
-      status.update(diverged_at=step,
-                    reason=f"loss {loss:.4f} > {cfg.divergence_factor} x running min {running_min:.4f}")
-    running_min = min(running_min, loss) if math.isfinite(loss) else running_min
-    status["last"] = loss
-    with metrics_path.open("a") as f:
-      f.write(json.dumps(rec) + "\n")
-    bar.update(step - bar.n)
-    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-    return rec
+    # ---- resume
+    start = 0
+    running_min = math.inf
+    mngr = (
+        _checkpoint_manager(run_dir, cfg.keep_checkpoints)
+        if (cfg.checkpoint_every or cfg.resume)
+        else None
+    )
+    if cfg.resume and mngr is not None and mngr.latest_step() is not None:
+        start = int(mngr.latest_step())
+        state, meta = restore_checkpoint(mngr, start, state, replicated)
+        sampler.load_state_dict(meta["sampler"])
+        running_min = float(meta["running_min"])
+        print(f"resumed from step {start} ({run_dir / 'checkpoints'})")
+    metrics_path = run_dir / "metrics.jsonl"
+    if start and metrics_path.exists():  # drop records past the checkpoint
+        kept = [
+            l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= start
+        ]
+        metrics_path.write_text("".join(l + "\n" for l in kept))
+    elif not start:
+        metrics_path.write_text("")
 
-  pending = None
-  step = start
-  for step in range(start + 1, last_step + 1):
-    x, y = sampler.next()
-    x = np.asarray(x, np.int32).reshape(accum, micro, seq_len)
-    y = np.asarray(y, np.int32).reshape(accum, micro, seq_len)
-    batch = jax.device_put((x, y), data_sharding)
-    state, m = step_fn(state, batch)
+    peak = device_peak_flops(devices[0])
+    fpt = flops_per_token(cfg.model, seq_len)
+    warmup = cfg.optim.warmup_steps
+    last_step = cfg.max_steps if stop_after is None else min(cfg.max_steps, start + stop_after)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=cfg.max_steps, initial=start, disable=not cfg.progress, dynamic_ncols=True)
+    status = {"diverged_at": None, "reason": None, "last": None, "last_val": None}
+    times = {"ref": time.perf_counter(), "steps": [], "t0": time.perf_counter()}
+
+    def record(step: int, m, extra: dict | None = None, done_at: float | None = None):
+        """Fetch a step's metrics (blocks until it is done), log them, check for divergence."""
+        nonlocal running_min
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        now = time.perf_counter() if done_at is None else done_at
+        dt = now - times["ref"]
+        times["ref"] = now
+        if step > start + 1:  # the first step of a process includes compilation
+            times["steps"].append(dt)
+        rec = {
+            "step": step,
+            **m,
+            "tokens_per_s": tokens_per_step / dt,
+            "step_time_s": dt,
+            "mfu": (fpt * tokens_per_step / dt / (peak * n_dev)) if peak else None,
+        }
+        if extra:
+            rec.update(extra)
+        loss = m["loss"]
+        if not math.isfinite(loss):
+            status.update(diverged_at=step, reason=f"non-finite loss {loss}")
+        elif (
+            cfg.divergence_factor
+            and step > warmup
+            and math.isfinite(running_min)
+            and loss > cfg.divergence_factor * running_min
+        ):
+            status.update(
+                diverged_at=step,
+                reason=f"loss {loss:.4f} > {cfg.divergence_factor} x running min {running_min:.4f}",
+            )
+        running_min = min(running_min, loss) if math.isfinite(loss) else running_min
+        status["last"] = loss
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        bar.update(step - bar.n)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        return rec
+
+    pending = None
+    step = start
+    for step in range(start + 1, last_step + 1):
+        x, y = sampler.next()
+        x = np.asarray(x, np.int32).reshape(accum, micro, seq_len)
+        y = np.asarray(y, np.int32).reshape(accum, micro, seq_len)
+        batch = jax.device_put((x, y), data_sharding)
+        state, m = step_fn(state, batch)
+        if pending is not None:
+            record(*pending)
+            pending = None
+            if status["diverged_at"] is not None:
+                break
+        do_eval = eval_data is not None and (
+            step % cfg.eval_every == 0 or (step == cfg.max_steps and stop_after is None)
+        )
+        do_probe = bool(probes) and cfg.probe_every and step % cfg.probe_every == 0
+        do_ckpt = (
+            mngr is not None
+            and cfg.checkpoint_every
+            and (step % cfg.checkpoint_every == 0 or step == last_step)
+        )
+        if not (do_eval or do_probe or do_ckpt or step == last_step):
+            pending = (step, m)
+            continue
+        jax.block_until_ready(m)
+        done_at = time.perf_counter()  # before eval/probe work, which is not step time
+        extra = {}
+        if do_eval:
+            extra["val_loss"] = float(eval_fn(state["params"], eval_data))
+            status["last_val"] = extra["val_loss"]
+        if do_probe:
+            probe_model = nnx.merge(graphdef, state["params"])
+            for probe in probes:
+                extra.update(probe(step, probe_model, (x[0], y[0])) or {})
+        record(step, m, extra, done_at)
+        if status["diverged_at"] is not None:
+            break
+        if do_ckpt:
+            save_checkpoint(
+                mngr,
+                step,
+                state,
+                {"step": step, "sampler": sampler.state_dict(), "running_min": running_min},
+            )
+        times["ref"] = time.perf_counter()  # eval/probe/checkpoint time is not step time
     if pending is not None:
-      record(*pending)
-      pending = None
-      if status["diverged_at"] is not None:
-        break
-    do_eval = eval_data is not None and (step % cfg.eval_every == 0 or
-                                         (step == cfg.max_steps and stop_after is None))
-    do_probe = bool(probes) and cfg.probe_every and step % cfg.probe_every == 0
-    do_ckpt = mngr is not None and cfg.checkpoint_every and (
-        step % cfg.checkpoint_every == 0 or step == last_step)
-    if not (do_eval or do_probe or do_ckpt or step == last_step):
-      pending = (step, m)
-      continue
-    jax.block_until_ready(m)
-    done_at = time.perf_counter()  # before eval/probe work, which is not step time
-    extra = {}
-    if do_eval:
-      extra["val_loss"] = float(eval_fn(state["params"], eval_data))
-      status["last_val"] = extra["val_loss"]
-    if do_probe:
-      probe_model = nnx.merge(graphdef, state["params"])
-      for probe in probes:
-        extra.update(probe(step, probe_model, (x[0], y[0])) or {})
-    record(step, m, extra, done_at)
-    if status["diverged_at"] is not None:
-      break
-    if do_ckpt:
-      save_checkpoint(mngr, step, state, {"step": step, "sampler": sampler.state_dict(),
-                                          "running_min": running_min})
-    times["ref"] = time.perf_counter()  # eval/probe/checkpoint time is not step time
-  if pending is not None:
-    record(*pending)
-  bar.close()
+        record(*pending)
+    bar.close()
 
-  if status["diverged_at"] is not None:
-    print(f"stopping: diverged at step {status['diverged_at']}: {status['reason']}")
-  steps_t = times["steps"]
-  summary = {
-      "steps": status["diverged_at"] or step,
-      "final_loss": status["last"],
-      "final_val_loss": status["last_val"],
-      "diverged_at": status["diverged_at"],
-      "reason": status["reason"],
-      "time_s": time.perf_counter() - times["t0"],
-      "tokens_per_s": (tokens_per_step * len(steps_t) / sum(steps_t)) if steps_t else None,
-      "tokens_per_step": tokens_per_step,
-      "grad_accum": accum,
-      "n_devices": n_dev,
-      "n_params": n_params,
-      "resumed_from": start or None,
-  }
-  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-  if mngr is not None:
-    mngr.close()
-  return summary
+    if status["diverged_at"] is not None:
+        print(f"stopping: diverged at step {status['diverged_at']}: {status['reason']}")
+    steps_t = times["steps"]
+    summary = {
+        "steps": status["diverged_at"] or step,
+        "final_loss": status["last"],
+        "final_val_loss": status["last_val"],
+        "diverged_at": status["diverged_at"],
+        "reason": status["reason"],
+        "time_s": time.perf_counter() - times["t0"],
+        "tokens_per_s": (tokens_per_step * len(steps_t) / sum(steps_t)) if steps_t else None,
+        "tokens_per_step": tokens_per_step,
+        "grad_accum": accum,
+        "n_devices": n_dev,
+        "n_params": n_params,
+        "resumed_from": start or None,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if mngr is not None:
+        mngr.close()
+    return summary
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-  """The records of ``run_dir/metrics.jsonl`` (or of the gzipped ``metrics.jsonl.gz`` kept in results/)."""
-  path = Path(run_dir) / "metrics.jsonl"
-  if not path.exists() and path.with_suffix(".jsonl.gz").exists():
-    import gzip
-    text = gzip.decompress(path.with_suffix(".jsonl.gz").read_bytes()).decode()
-  else:
-    text = path.read_text()
-  return [json.loads(l) for l in text.splitlines() if l.strip()]
+    """The records of ``run_dir/metrics.jsonl`` (or of the gzipped ``metrics.jsonl.gz`` kept in results/)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists() and path.with_suffix(".jsonl.gz").exists():
+        import gzip
+
+        text = gzip.decompress(path.with_suffix(".jsonl.gz").read_bytes()).decode()
+    else:
+        text = path.read_text()
+    return [json.loads(l) for l in text.splitlines() if l.strip()]
 
 
 # ----------------------------------------------------------------------------- CLI
 
+
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-  ap = argparse.ArgumentParser(prog="python -m train.gpt2", description=__doc__.split("\n\n")[0],
-                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog="overrides: dotted key=value, e.g. model.n_layer=2 "
-                                      "attention.kind=flash attention.stable=true optim.lr=3e-4")
-  ap.add_argument("--preset", default="tiny-cpu", choices=sorted(config_lib.PRESETS))
-  ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-  ap.add_argument("overrides", nargs="*", metavar="key=value")
-  args = ap.parse_args(argv)
-  try:
-    cfg = config_lib.apply_overrides(config_lib.get_preset(args.preset), args.overrides)
-  except ValueError as e:
-    ap.error(str(e))
-  if args.print_config:
-    print(config_lib.to_json(cfg))
-    sys.exit(0)
-  return cfg
+    ap = argparse.ArgumentParser(
+        prog="python -m train.gpt2",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="overrides: dotted key=value, e.g. model.n_layer=2 "
+        "attention.kind=flash attention.stable=true optim.lr=3e-4",
+    )
+    ap.add_argument("--preset", default="tiny-cpu", choices=sorted(config_lib.PRESETS))
+    ap.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    ap.add_argument("overrides", nargs="*", metavar="key=value")
+    args = ap.parse_args(argv)
+    try:
+        cfg = config_lib.apply_overrides(config_lib.get_preset(args.preset), args.overrides)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.print_config:
+        print(config_lib.to_json(cfg))
+        sys.exit(0)
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  cfg = parse_args(argv)
-  summary = train(cfg)
-  print(json.dumps(summary, indent=2))
+    cfg = parse_args(argv)
+    summary = train(cfg)
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
-  main()
+    main()

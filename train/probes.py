@@ -52,6 +52,7 @@ Cost: one forward and one activation backward (no parameter gradients) on ``n_se
 per layer the FP32 shadow attention, one extra flash forward and the [n_seq, H, T, T] score matrix.
 Without probes nothing here runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,291 +72,353 @@ from models import gpt2 as G
 
 # ----------------------------------------------------------------------------- attention taps
 
+
 @contextlib.contextmanager
 def _tapped_attention(taps, plan):
-  """While active (i.e. while tracing the model), every attention call ``attend(q, k, v, spec)``
-  returns O + tap and records O. ``plan``: the expected calls in order, (layer, h0, h1, spec);
-  ``taps``: per layer ``[b, t, n_head, head_dim]``. Yields the list of recorded outputs."""
-  saved = dict(G.ATTENTION_FNS)
-  outputs = []
-  it = iter(plan)
+    """While active (i.e. while tracing the model), every attention call ``attend(q, k, v, spec)``
+    returns O + tap and records O. ``plan``: the expected calls in order, (layer, h0, h1, spec);
+    ``taps``: per layer ``[b, t, n_head, head_dim]``. Yields the list of recorded outputs."""
+    saved = dict(G.ATTENTION_FNS)
+    outputs = []
+    it = iter(plan)
 
-  def wrap(fn):
-    def tapped(q, k, v, spec):
-      layer, h0, h1, want = next(it)
-      if want != spec or q.shape[2] != h1 - h0:
-        raise RuntimeError(f"attention calls out of the expected order at layer {layer}")
-      o = fn(q, k, v, spec)
-      outputs.append(o)
-      return o + taps[layer][:, :, h0:h1].astype(o.dtype)
-    return tapped
+    def wrap(fn):
+        def tapped(q, k, v, spec):
+            layer, h0, h1, want = next(it)
+            if want != spec or q.shape[2] != h1 - h0:
+                raise RuntimeError(f"attention calls out of the expected order at layer {layer}")
+            o = fn(q, k, v, spec)
+            outputs.append(o)
+            return o + taps[layer][:, :, h0:h1].astype(o.dtype)
 
-  for kind, fn in saved.items():
-    G.ATTENTION_FNS[kind] = wrap(fn)
-  try:
-    yield outputs
-  finally:
-    G.ATTENTION_FNS.clear()
-    G.ATTENTION_FNS.update(saved)
-  if next(it, None) is not None:
-    raise RuntimeError("fewer attention calls than expected")
+        return tapped
+
+    for kind, fn in saved.items():
+        G.ATTENTION_FNS[kind] = wrap(fn)
+    try:
+        yield outputs
+    finally:
+        G.ATTENTION_FNS.clear()
+        G.ATTENTION_FNS.update(saved)
+    if next(it, None) is not None:
+        raise RuntimeError("fewer attention calls than expected")
 
 
 def _plan(model):
-  return [(l, h0, h1, spec) for l, blk in enumerate(model.blocks) for h0, h1, spec in blk.attn.groups]
+    return [
+        (l, h0, h1, spec) for l, blk in enumerate(model.blocks) for h0, h1, spec in blk.attn.groups
+    ]
 
 
 _FLASH_FIELDS = ("stable", "beta", "policy", "delta", "impl", "block_q", "block_k")
 
 
 def chain_tensors(model, x, y):
-  """Per-layer tensors of the causal chain on tokens x, targets y ``[b, t]`` (inside jit).
+    """Per-layer tensors of the causal chain on tokens x, targets y ``[b, t]`` (inside jit).
 
-  Returns (loss, layers) with per layer a dict: ``x`` attention input, ``q k v`` [b, t, H, hd],
-  ``do`` the loss cotangent of the attention output, ``o_lp`` the O the backward's δ sees, ``o_hp``
-  the FP32 shadow, ``dlt_lp`` / ``dlt_hp`` [b, H, t], ``resid`` (block output, if captured), and
-  ``groups`` (h0, h1, spec).
-  """
-  mcfg = model.config
-  b, t = x.shape
-  n_head, hd = mcfg.n_head, mcfg.head_dim
-  dt = jnp.dtype(mcfg.dtype)
-  plan = _plan(model)
-  taps = [jnp.zeros((b, t, n_head, hd), dt) for _ in range(mcfg.n_layer)]
+    Returns (loss, layers) with per layer a dict: ``x`` attention input, ``q k v`` [b, t, H, hd],
+    ``do`` the loss cotangent of the attention output, ``o_lp`` the O the backward's δ sees, ``o_hp``
+    the FP32 shadow, ``dlt_lp`` / ``dlt_hp`` [b, H, t], ``resid`` (block output, if captured), and
+    ``groups`` (h0, h1, spec).
+    """
+    mcfg = model.config
+    b, t = x.shape
+    n_head, hd = mcfg.n_head, mcfg.head_dim
+    dt = jnp.dtype(mcfg.dtype)
+    plan = _plan(model)
+    taps = [jnp.zeros((b, t, n_head, hd), dt) for _ in range(mcfg.n_layer)]
 
-  def f(taps):
-    with _tapped_attention(taps, plan) as outs:
-      logits, caps = model(x, return_intermediates=True)
-    return G.cross_entropy(logits, y), (caps, outs)
+    def f(taps):
+        with _tapped_attention(taps, plan) as outs:
+            logits, caps = model(x, return_intermediates=True)
+        return G.cross_entropy(logits, y), (caps, outs)
 
-  loss, vjp_fn, (caps, outs) = jax.vjp(f, taps, has_aux=True)
-  (dos,) = vjp_fn(jnp.ones_like(loss))
-  layers = []
-  i = 0
-  for l, cap in enumerate(caps):
-    q, k, v, do = cap["q"], cap["k"], cap["v"], dos[l]
-    o_hp = D.hp_attention(q, k, v)
-    o_lp, dlt_lp, groups = [], [], []
-    for h0, h1, spec in model.blocks[l].attn.groups:
-      o = outs[i]
-      i += 1
-      sl = lambda a: a[:, :, h0:h1]
-      if spec.kind == "flash":
-        o_st, dlt = D.flash_stored_o_and_delta(
-            sl(q), sl(k), sl(v), sl(do), causal=True,
-            **{f: getattr(spec, f) for f in _FLASH_FIELDS})
-      else:
-        o_st, dlt = o, D.rowsum_delta(sl(do), o)
-      o_lp.append(o_st.astype(jnp.float32))
-      dlt_lp.append(dlt)
-      groups.append((h0, h1, spec))
-    layers.append(dict(
-        x=cap["x"], q=q, k=k, v=v, do=do, o_hp=o_hp, resid=cap.get("resid"), groups=groups,
-        o_lp=jnp.concatenate(o_lp, axis=2), dlt_lp=jnp.concatenate(dlt_lp, axis=1),
-        dlt_hp=D.rowsum_delta(do, o_hp)))
-  return loss, layers
+    loss, vjp_fn, (caps, outs) = jax.vjp(f, taps, has_aux=True)
+    (dos,) = vjp_fn(jnp.ones_like(loss))
+    layers = []
+    i = 0
+    for l, cap in enumerate(caps):
+        q, k, v, do = cap["q"], cap["k"], cap["v"], dos[l]
+        o_hp = D.hp_attention(q, k, v)
+        o_lp, dlt_lp, groups = [], [], []
+        for h0, h1, spec in model.blocks[l].attn.groups:
+            o = outs[i]
+            i += 1
+            sl = lambda a: a[:, :, h0:h1]
+            if spec.kind == "flash":
+                o_st, dlt = D.flash_stored_o_and_delta(
+                    sl(q),
+                    sl(k),
+                    sl(v),
+                    sl(do),
+                    causal=True,
+                    **{f: getattr(spec, f) for f in _FLASH_FIELDS},
+                )
+            else:
+                o_st, dlt = o, D.rowsum_delta(sl(do), o)
+            o_lp.append(o_st.astype(jnp.float32))
+            dlt_lp.append(dlt)
+            groups.append((h0, h1, spec))
+        layers.append(
+            dict(
+                x=cap["x"],
+                q=q,
+                k=k,
+                v=v,
+                do=do,
+                o_hp=o_hp,
+                resid=cap.get("resid"),
+                groups=groups,
+                o_lp=jnp.concatenate(o_lp, axis=2),
+                dlt_lp=jnp.concatenate(dlt_lp, axis=1),
+                dlt_hp=D.rowsum_delta(do, o_hp),
+            )
+        )
+    return loss, layers
 
 
 def _tie_policy(spec):
-  return spec.policy if spec.kind == "flash" else "fa2"
+    return spec.policy if spec.kind == "flash" else "fa2"
 
 
 # ----------------------------------------------------------------------------- the probe
 
+
 class CausalChainProbe:
-  """All per-layer / per-head metrics of the module docstring in one jitted call.
+    """All per-layer / per-head metrics of the module docstring in one jitted call.
 
-  n_seq: probe sequences taken from the front of the batch (caps the cost).
-  power_iters: power-iteration steps per call (warm-started, so the estimate keeps improving).
-  per_head: also emit the per-head variants of max_logit, tie_frac and delta_err(_cum).
-  """
+    n_seq: probe sequences taken from the front of the batch (caps the cost).
+    power_iters: power-iteration steps per call (warm-started, so the estimate keeps improving).
+    per_head: also emit the per-head variants of max_logit, tie_frac and delta_err(_cum).
+    """
 
-  def __init__(self, n_seq: int = 4, power_iters: int = 16, per_head: bool = True):
-    self.n_seq, self.power_iters, self.per_head = n_seq, power_iters, per_head
-    self._fn = None
-    self._graphdef = None
-    self._v = None  # (vq, vk) [L, H, hd] warm-start vectors
-    self.cum = None  # {"layer": [L], "head": [L, H]} running Σ delta_err (float64)
-    self.n_traces = 0
-    self.calls = 0
+    def __init__(self, n_seq: int = 4, power_iters: int = 16, per_head: bool = True):
+        self.n_seq, self.power_iters, self.per_head = n_seq, power_iters, per_head
+        self._fn = None
+        self._graphdef = None
+        self._v = None  # (vq, vk) [L, H, hd] warm-start vectors
+        self.cum = None  # {"layer": [L], "head": [L, H]} running Σ delta_err (float64)
+        self.n_traces = 0
+        self.calls = 0
 
-  # -- jitted body
-  def _compute(self, graphdef, params, x, y, vq, vk):
-    self.n_traces += 1  # Python side effect: runs once per trace
-    model = nnx.merge(graphdef, params)
-    mcfg = model.config
-    L, H = mcfg.n_layer, mcfg.n_head
-    wq = jnp.stack([G.per_head_weights(params, l, H, "wq") for l in range(L)])
-    wk = jnp.stack([G.per_head_weights(params, l, H, "wk") for l in range(L)])
-    sq, vq = D.power_iteration(wq, vq, self.power_iters)
-    sk, vk = D.power_iteration(wk, vk, self.power_iters)
+    # -- jitted body
+    def _compute(self, graphdef, params, x, y, vq, vk):
+        self.n_traces += 1  # Python side effect: runs once per trace
+        model = nnx.merge(graphdef, params)
+        mcfg = model.config
+        L, H = mcfg.n_layer, mcfg.n_head
+        wq = jnp.stack([G.per_head_weights(params, l, H, "wq") for l in range(L)])
+        wk = jnp.stack([G.per_head_weights(params, l, H, "wk") for l in range(L)])
+        sq, vq = D.power_iteration(wq, vq, self.power_iters)
+        sk, vk = D.power_iteration(wk, vk, self.power_iters)
 
-    loss, layers = chain_tensors(model, x, y)
-    per = {k: [] for k in ("max_logit", "tie_frac", "delta_err", "delta_err_abs", "act_rms",
-                           "act_max", "attn_out_rms", "o_err", "o_err_away", "resid_rms",
-                           "resid_max")}
-    for lay in layers:
-      q, k = lay["q"], lay["k"]
-      per["max_logit"].append(D.max_logit(q, k))
-      ties = [D.tied_row_mask(q[:, :, h0:h1], k[:, :, h0:h1], policy=_tie_policy(spec))
-              for h0, h1, spec in lay["groups"]]
-      per["tie_frac"].append(jnp.mean(jnp.concatenate(ties, axis=1).astype(jnp.float32), axis=(0, 2)))
-      derr = lay["dlt_lp"] - lay["dlt_hp"]  # [b, H, t]
-      per["delta_err"].append(jnp.sum(derr, axis=(0, 2)))
-      per["delta_err_abs"].append(jnp.sum(jnp.abs(derr)))
-      xin = lay["x"].astype(jnp.float32)
-      per["act_rms"].append(jnp.sqrt(jnp.mean(xin ** 2)))
-      per["act_max"].append(jnp.max(jnp.abs(xin)))
-      per["attn_out_rms"].append(jnp.sqrt(jnp.mean(lay["o_lp"] ** 2)))
-      oerr = lay["o_lp"] - lay["o_hp"]
-      per["o_err"].append(jnp.mean(oerr))
-      per["o_err_away"].append(jnp.mean(oerr * jnp.sign(lay["o_hp"])))
-      if lay["resid"] is not None:
-        r = lay["resid"].astype(jnp.float32)
-        per["resid_rms"].append(jnp.sqrt(jnp.mean(r ** 2)))
-        per["resid_max"].append(jnp.max(jnp.abs(r)))
-    out = {k: jnp.stack(v) for k, v in per.items() if v}
-    out.update(wq_norm=sq, wk_norm=sk, probe_loss=loss)
-    return out, (vq, vk)
+        loss, layers = chain_tensors(model, x, y)
+        per = {
+            k: []
+            for k in (
+                "max_logit",
+                "tie_frac",
+                "delta_err",
+                "delta_err_abs",
+                "act_rms",
+                "act_max",
+                "attn_out_rms",
+                "o_err",
+                "o_err_away",
+                "resid_rms",
+                "resid_max",
+            )
+        }
+        for lay in layers:
+            q, k = lay["q"], lay["k"]
+            per["max_logit"].append(D.max_logit(q, k))
+            ties = [
+                D.tied_row_mask(q[:, :, h0:h1], k[:, :, h0:h1], policy=_tie_policy(spec))
+                for h0, h1, spec in lay["groups"]
+            ]
+            per["tie_frac"].append(
+                jnp.mean(jnp.concatenate(ties, axis=1).astype(jnp.float32), axis=(0, 2))
+            )
+            derr = lay["dlt_lp"] - lay["dlt_hp"]  # [b, H, t]
+            per["delta_err"].append(jnp.sum(derr, axis=(0, 2)))
+            per["delta_err_abs"].append(jnp.sum(jnp.abs(derr)))
+            xin = lay["x"].astype(jnp.float32)
+            per["act_rms"].append(jnp.sqrt(jnp.mean(xin**2)))
+            per["act_max"].append(jnp.max(jnp.abs(xin)))
+            per["attn_out_rms"].append(jnp.sqrt(jnp.mean(lay["o_lp"] ** 2)))
+            oerr = lay["o_lp"] - lay["o_hp"]
+            per["o_err"].append(jnp.mean(oerr))
+            per["o_err_away"].append(jnp.mean(oerr * jnp.sign(lay["o_hp"])))
+            if lay["resid"] is not None:
+                r = lay["resid"].astype(jnp.float32)
+                per["resid_rms"].append(jnp.sqrt(jnp.mean(r**2)))
+                per["resid_max"].append(jnp.max(jnp.abs(r)))
+        out = {k: jnp.stack(v) for k, v in per.items() if v}
+        out.update(wq_norm=sq, wk_norm=sk, probe_loss=loss)
+        return out, (vq, vk)
 
-  def _build(self, graphdef, mcfg):
-    self._graphdef = graphdef
-    self._fn = jax.jit(functools.partial(self._compute, graphdef))
-    shape = (mcfg.n_layer, mcfg.n_head, mcfg.head_dim)
-    # a fixed generic start (not orthogonal to any singular vector with probability 1)
-    key_q, key_k = jax.random.split(jax.random.key(0))
-    self._v = (np.asarray(jax.random.normal(key_q, shape)), np.asarray(jax.random.normal(key_k, shape)))
-    self.cum = {"layer": np.zeros(mcfg.n_layer), "head": np.zeros((mcfg.n_layer, mcfg.n_head))}
+    def _build(self, graphdef, mcfg):
+        self._graphdef = graphdef
+        self._fn = jax.jit(functools.partial(self._compute, graphdef))
+        shape = (mcfg.n_layer, mcfg.n_head, mcfg.head_dim)
+        # a fixed generic start (not orthogonal to any singular vector with probability 1)
+        key_q, key_k = jax.random.split(jax.random.key(0))
+        self._v = (
+            np.asarray(jax.random.normal(key_q, shape)),
+            np.asarray(jax.random.normal(key_k, shape)),
+        )
+        self.cum = {"layer": np.zeros(mcfg.n_layer), "head": np.zeros((mcfg.n_layer, mcfg.n_head))}
 
-  def __call__(self, step, model, batch) -> dict:
-    t0 = time.perf_counter()
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    if self._fn is None or graphdef != self._graphdef:
-      self._build(graphdef, model.config)
-    x, y = batch
-    n = min(self.n_seq, x.shape[0])
-    x = jnp.asarray(np.asarray(x)[:n], jnp.int32)
-    y = jnp.asarray(np.asarray(y)[:n], jnp.int32)
-    out, v = self._fn(params, x, y, *self._v)
-    # host copies: the same (unsharded numpy) input types on every call, so no retracing
-    out, self._v = jax.device_get((out, v))
-    self.calls += 1
-    return self._metrics(out, time.perf_counter() - t0)
+    def __call__(self, step, model, batch) -> dict:
+        t0 = time.perf_counter()
+        graphdef, state = nnx.split(model)
+        params = nnx.to_pure_dict(state)
+        if self._fn is None or graphdef != self._graphdef:
+            self._build(graphdef, model.config)
+        x, y = batch
+        n = min(self.n_seq, x.shape[0])
+        x = jnp.asarray(np.asarray(x)[:n], jnp.int32)
+        y = jnp.asarray(np.asarray(y)[:n], jnp.int32)
+        out, v = self._fn(params, x, y, *self._v)
+        # host copies: the same (unsharded numpy) input types on every call, so no retracing
+        out, self._v = jax.device_get((out, v))
+        self.calls += 1
+        return self._metrics(out, time.perf_counter() - t0)
 
-  def _metrics(self, out, dt) -> dict:
-    m = {"probe_loss": float(out["probe_loss"])}
-    L, H = out["wq_norm"].shape
-    derr = np.asarray(out["delta_err"], np.float64)  # [L, H]
-    self.cum["head"] += derr
-    self.cum["layer"] += derr.sum(axis=1)
-    for l in range(L):
-      tag = f"L{l}"
-      for name in ("wq_norm", "wk_norm"):
-        for h in range(H):
-          m[f"{name}/{tag}/H{h}"] = float(out[name][l, h])
-        m[f"{name}_max/{tag}"] = float(np.max(out[name][l]))
-      m[f"max_logit/{tag}"] = float(np.max(out["max_logit"][l]))
-      m[f"tie_frac/{tag}"] = float(np.mean(out["tie_frac"][l]))
-      m[f"delta_err/{tag}"] = float(derr[l].sum())
-      m[f"delta_err_cum/{tag}"] = float(self.cum["layer"][l])
-      m[f"delta_err_abs/{tag}"] = float(out["delta_err_abs"][l])
-      for name in ("act_rms", "act_max", "attn_out_rms", "o_err", "o_err_away", "resid_rms",
-                   "resid_max"):
-        if name in out:
-          m[f"{name}/{tag}"] = float(out[name][l])
-      if self.per_head:
-        for h in range(H):
-          m[f"max_logit/{tag}/H{h}"] = float(out["max_logit"][l, h])
-          m[f"tie_frac/{tag}/H{h}"] = float(out["tie_frac"][l, h])
-          m[f"delta_err/{tag}/H{h}"] = float(derr[l, h])
-          m[f"delta_err_cum/{tag}/H{h}"] = float(self.cum["head"][l, h])
-    m["probe_time_s"] = dt
-    return m
+    def _metrics(self, out, dt) -> dict:
+        m = {"probe_loss": float(out["probe_loss"])}
+        L, H = out["wq_norm"].shape
+        derr = np.asarray(out["delta_err"], np.float64)  # [L, H]
+        self.cum["head"] += derr
+        self.cum["layer"] += derr.sum(axis=1)
+        for l in range(L):
+            tag = f"L{l}"
+            for name in ("wq_norm", "wk_norm"):
+                for h in range(H):
+                    m[f"{name}/{tag}/H{h}"] = float(out[name][l, h])
+                m[f"{name}_max/{tag}"] = float(np.max(out[name][l]))
+            m[f"max_logit/{tag}"] = float(np.max(out["max_logit"][l]))
+            m[f"tie_frac/{tag}"] = float(np.mean(out["tie_frac"][l]))
+            m[f"delta_err/{tag}"] = float(derr[l].sum())
+            m[f"delta_err_cum/{tag}"] = float(self.cum["layer"][l])
+            m[f"delta_err_abs/{tag}"] = float(out["delta_err_abs"][l])
+            for name in (
+                "act_rms",
+                "act_max",
+                "attn_out_rms",
+                "o_err",
+                "o_err_away",
+                "resid_rms",
+                "resid_max",
+            ):
+                if name in out:
+                    m[f"{name}/{tag}"] = float(out[name][l])
+            if self.per_head:
+                for h in range(H):
+                    m[f"max_logit/{tag}/H{h}"] = float(out["max_logit"][l, h])
+                    m[f"tie_frac/{tag}/H{h}"] = float(out["tie_frac"][l, h])
+                    m[f"delta_err/{tag}/H{h}"] = float(derr[l, h])
+                    m[f"delta_err_cum/{tag}/H{h}"] = float(self.cum["head"][l, h])
+        m["probe_time_s"] = dt
+        return m
 
 
 # ----------------------------------------------------------------------------- snapshots (lowrank)
 
+
 @functools.lru_cache(maxsize=8)
 def _snapshot_fn(graphdef, layer: int, head: int):
-  def fn(params, x, y):
-    model = nnx.merge(graphdef, params)
-    _, layers = chain_tensors(model, x, y)
-    lay = layers[layer]
-    q, k, v = (lay[n][:, :, head].astype(jnp.float32) for n in ("q", "k", "v"))
-    s = D.causal_scores(lay["q"][:, :, head:head + 1], lay["k"][:, :, head:head + 1])[:, 0]
-    p = jax.nn.softmax(s, axis=-1)  # FP32 P [b, t, t]
-    pk = jnp.einsum("bqk,bkd->bqd", p, k, precision=jax.lax.Precision.HIGHEST)
-    wq = G.per_head_weights(params, layer, model.config.n_head, "wq")[head]
-    return dict(x=lay["x"].astype(jnp.float32), q=q, k=k, v=v, pk=pk, wq=wq,
-                delta_err=lay["dlt_lp"][:, head] - lay["dlt_hp"][:, head],
-                sm_scale=jnp.float32(1.0 / math.sqrt(q.shape[-1])))
-  return jax.jit(fn)
+    def fn(params, x, y):
+        model = nnx.merge(graphdef, params)
+        _, layers = chain_tensors(model, x, y)
+        lay = layers[layer]
+        q, k, v = (lay[n][:, :, head].astype(jnp.float32) for n in ("q", "k", "v"))
+        s = D.causal_scores(lay["q"][:, :, head : head + 1], lay["k"][:, :, head : head + 1])[:, 0]
+        p = jax.nn.softmax(s, axis=-1)  # FP32 P [b, t, t]
+        pk = jnp.einsum("bqk,bkd->bqd", p, k, precision=jax.lax.Precision.HIGHEST)
+        wq = G.per_head_weights(params, layer, model.config.n_head, "wq")[head]
+        return dict(
+            x=lay["x"].astype(jnp.float32),
+            q=q,
+            k=k,
+            v=v,
+            pk=pk,
+            wq=wq,
+            delta_err=lay["dlt_lp"][:, head] - lay["dlt_hp"][:, head],
+            sm_scale=jnp.float32(1.0 / math.sqrt(q.shape[-1])),
+        )
+
+    return jax.jit(fn)
 
 
 def save_snapshot(model, batch, layer: int, head: int, path, *, n_seq: int = 4, step=None) -> Path:
-  """Save, for one layer and head, the ingredients of dW_Q's rank-1 terms on the first ``n_seq``
-  sequences of ``batch = (x, y)`` to ``path`` (.npz): ``x`` (attention input, [b, t, n_embd]),
-  ``q k v`` and ``pk`` = P·K (FP32 softmax of the causal scores) [b, t, hd], ``delta_err`` =
-  δ_lp − δ_hp [b, t] (as in CausalChainProbe), ``wq`` [n_embd, hd], and step / layer / head."""
-  graphdef, state = nnx.split(model)
-  x, y = batch
-  n = min(n_seq, np.asarray(x).shape[0])
-  out = _snapshot_fn(graphdef, int(layer), int(head))(
-      nnx.to_pure_dict(state), jnp.asarray(np.asarray(x)[:n], jnp.int32),
-      jnp.asarray(np.asarray(y)[:n], jnp.int32))
-  out = {k: np.asarray(v) for k, v in jax.device_get(out).items()}
-  path = Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  np.savez_compressed(path, layer=layer, head=head, step=-1 if step is None else step, **out)
-  return path
+    """Save, for one layer and head, the ingredients of dW_Q's rank-1 terms on the first ``n_seq``
+    sequences of ``batch = (x, y)`` to ``path`` (.npz): ``x`` (attention input, [b, t, n_embd]),
+    ``q k v`` and ``pk`` = P·K (FP32 softmax of the causal scores) [b, t, hd], ``delta_err`` =
+    δ_lp − δ_hp [b, t] (as in CausalChainProbe), ``wq`` [n_embd, hd], and step / layer / head."""
+    graphdef, state = nnx.split(model)
+    x, y = batch
+    n = min(n_seq, np.asarray(x).shape[0])
+    out = _snapshot_fn(graphdef, int(layer), int(head))(
+        nnx.to_pure_dict(state),
+        jnp.asarray(np.asarray(x)[:n], jnp.int32),
+        jnp.asarray(np.asarray(y)[:n], jnp.int32),
+    )
+    out = {k: np.asarray(v) for k, v in jax.device_get(out).items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, layer=layer, head=head, step=-1 if step is None else step, **out)
+    return path
 
 
 class SnapshotProbe:
-  """A probe that calls ``save_snapshot`` at the given steps, to ``out_dir/snap_L{l}_H{h}_step{s}.npz``."""
+    """A probe that calls ``save_snapshot`` at the given steps, to ``out_dir/snap_L{l}_H{h}_step{s}.npz``."""
 
-  def __init__(self, out_dir, layer: int = 1, head: int = 7, steps=(), n_seq: int = 4):
-    self.out_dir, self.layer, self.head = Path(out_dir), layer, head
-    self.steps, self.n_seq = set(int(s) for s in steps), n_seq
-    self.saved: list[Path] = []
+    def __init__(self, out_dir, layer: int = 1, head: int = 7, steps=(), n_seq: int = 4):
+        self.out_dir, self.layer, self.head = Path(out_dir), layer, head
+        self.steps, self.n_seq = set(int(s) for s in steps), n_seq
+        self.saved: list[Path] = []
 
-  def __call__(self, step, model, batch) -> dict:
-    if step not in self.steps:
-      return {}
-    path = self.out_dir / f"snap_L{self.layer}_H{self.head}_step{step}.npz"
-    self.saved.append(save_snapshot(model, batch, self.layer, self.head, path, n_seq=self.n_seq,
-                                    step=step))
-    return {}
+    def __call__(self, step, model, batch) -> dict:
+        if step not in self.steps:
+            return {}
+        path = self.out_dir / f"snap_L{self.layer}_H{self.head}_step{step}.npz"
+        self.saved.append(
+            save_snapshot(model, batch, self.layer, self.head, path, n_seq=self.n_seq, step=step)
+        )
+        return {}
 
 
 def default_probes(cfg) -> list:
-  """The probes ``python -m train.probes`` runs: the causal-chain probe (when probe_every > 0)."""
-  return [CausalChainProbe()] if cfg.probe_every else []
+    """The probes ``python -m train.probes`` runs: the causal-chain probe (when probe_every > 0)."""
+    return [CausalChainProbe()] if cfg.probe_every else []
 
 
 def main(argv=None) -> None:
-  """``python -m train.probes [--preset P] [key=value ...] [--snapshot L,H,STEP1,STEP2]``: train
-  with the causal-chain probe (``probe_every`` defaults to 50 if unset)."""
-  import argparse
-  import json
-  import sys
+    """``python -m train.probes [--preset P] [key=value ...] [--snapshot L,H,STEP1,STEP2]``: train
+    with the causal-chain probe (``probe_every`` defaults to 50 if unset)."""
+    import argparse
+    import json
+    import sys
 
-  from train import config as config_lib
-  from train import gpt2 as T
+    from train import config as config_lib
+    from train import gpt2 as T
 
-  argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(add_help=False)
-  ap.add_argument("--snapshot", default=None, help="layer,head,step[,step...] for lowrank snapshots")
-  ns, rest = ap.parse_known_args(argv)
-  cfg = T.parse_args(rest)
-  if not cfg.probe_every:
-    cfg = config_lib.apply_overrides(cfg, ["probe_every=50"])
-  probes = default_probes(cfg)
-  if ns.snapshot:
-    l, h, *steps = (int(s) for s in ns.snapshot.split(","))
-    probes.append(SnapshotProbe(Path(cfg.run_dir) / "snapshots", l, h, steps))
-  print(json.dumps(T.train(cfg, probes=probes), indent=2))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument(
+        "--snapshot", default=None, help="layer,head,step[,step...] for lowrank snapshots"
+    )
+    ns, rest = ap.parse_known_args(argv)
+    cfg = T.parse_args(rest)
+    if not cfg.probe_every:
+        cfg = config_lib.apply_overrides(cfg, ["probe_every=50"])
+    probes = default_probes(cfg)
+    if ns.snapshot:
+        l, h, *steps = (int(s) for s in ns.snapshot.split(","))
+        probes.append(SnapshotProbe(Path(cfg.run_dir) / "snapshots", l, h, steps))
+    print(json.dumps(T.train(cfg, probes=probes), indent=2))
 
 
 if __name__ == "__main__":
-  main()
+    main()
