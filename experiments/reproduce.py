@@ -66,6 +66,20 @@ def first_step_above(recs, key, threshold):
     return None
 
 
+def probe_overhead(recs):
+    """Median probe call (after the first, which compiles) and its share of the steps between probes."""
+    import statistics
+
+    calls = [r["probe_time_s"] for r in recs if "probe_time_s" in r][1:]
+    plain = [r["step_time_s"] for r in recs[5:] if "probe_time_s" not in r and "val_loss" not in r]
+    probe_steps = [r["step"] for r in recs if "probe_time_s" in r]
+    if not calls or not plain or len(probe_steps) < 2:
+        return {}
+    every = probe_steps[1] - probe_steps[0]
+    call, step = statistics.median(calls), statistics.median(plain)
+    return {"probe s/call": call, "probe overhead": f"{100 * call / (every * step):.2f} %"}
+
+
 def table(args):
     rows = []
     from train.gpt2 import read_metrics
@@ -88,11 +102,12 @@ def table(args):
             "last L1 tie frac": last.get(f"tie_frac/L{LAYER}"),
             **{f"loss@{s}": v for s, v in loss_at.items()},
             "diverged at": summary.get("diverged_at") or f"none by {recs[-1]['step'] if recs else 0}",
+            **probe_overhead(recs),
         })
-    cols = list(rows[0]) if rows else []
+    cols = list(dict.fromkeys(c for r in rows for c in r))
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else str(v))
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     text = "\n".join(lines)
     print(text)
     if args.md:

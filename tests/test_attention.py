@@ -120,13 +120,6 @@ def make_policy_dtype(policy, dtype):
     return jf.make_policy(policy, dtype).lp_dtype
 
 
-def assert_within_ulps(a, b, min_equal, ulps):
-    eps = float(jnp.finfo(a.dtype).eps)  # one ulp of x is at most eps·|x|
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.mean(a == b) >= min_equal, np.mean(a == b)
-    assert np.all(np.abs(a - b) <= ulps * eps * np.maximum(np.abs(a), np.abs(b)))
-
-
 @pytest.mark.parametrize("dtype", [BF16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
 @pytest.mark.parametrize("stable", [False, True])
@@ -137,16 +130,27 @@ def test_pallas_matches_jnp_bitwise_or_ulps(rng, dtype, policy, stable):
     differ in the last bit. Measured on 6 seeds × 3 dtypes at 2×50×2×32: "paper" always bitwise
     (its BF16 roundings absorb FP32 ulps); "fa2" bitwise for BF16, 0–2 of 6400 elements off by one
     ulp for FP16, ~1/3 of elements a few ulps off for FP32 operands ("fp32", "fa2" on FP32 inputs).
-    Asserted: 16-bit outputs ≥ 99.5 % bitwise and all within 1 ulp; FP32 operands within 8 ulps."""
+    Asserted: 16-bit outputs ≥ 99.5 % bitwise and all within 1 ulp; FP32 operands within 8 FP32 ulps
+    of the element or of the largest output (plus one ulp of a 16-bit output dtype)."""
     q, k, v = tied_inputs(rng, (2, 50, 2, 32), dtype)
     kw = dict(policy=policy, stable=stable, block_q=16, block_k=16)
     o_jnp, l_jnp = jf.attention_with_lse(q, k, v, impl="jnp", **kw)
     o_pl, l_pl = jf.attention_with_lse(q, k, v, impl="pallas", **kw)
     fp32_operands = policy == "fp32" or (dtype == jnp.float32 and policy == "fa2")
-    if fp32_operands:  # last-bit differences of several dots accumulate over the key tiles
-        assert_within_ulps(o_jnp, o_pl, min_equal=0.2, ulps=8)
+    a, b = np.asarray(o_jnp, np.float64), np.asarray(o_pl, np.float64)
+    out_eps = float(jnp.finfo(dtype).eps)  # one ulp of x is at most eps·|x|
+    if fp32_operands:
+        # Last-bit differences of several FP32 dots accumulate over the key tiles and cancel in small
+        # outputs (bound by the output's scale), then the final rounding to a 16-bit output may flip.
+        fp32_eps = 2.0**-23
+        bound = 8 * fp32_eps * (np.abs(b) + np.abs(b).max())
+        if out_eps > fp32_eps:
+            bound = bound + out_eps * np.abs(b)
+        assert np.mean(a == b) >= 0.2
     else:
-        assert_within_ulps(o_jnp, o_pl, min_equal=0.995, ulps=1)
+        bound = out_eps * np.maximum(np.abs(a), np.abs(b))
+        assert np.mean(a == b) >= 0.995, np.mean(a == b)
+    assert np.all(np.abs(a - b) <= bound)
     # L = m + log ℓ: besides the above, XLA:CPU's vectorised and scalar log may differ by an ulp, and
     # under "paper" ℓ is stored in the low-precision dtype, where an FP32 last-bit difference of the
     # tile sum can flip one rounding (measured: 1 of 200 rows, FP16): one ulp of ℓ, eps in log ℓ.
