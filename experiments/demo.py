@@ -132,3 +132,7 @@ def plot_losses(metrics, path, control="fp32-control"):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+if __name__ == "__main__":
+    main()
