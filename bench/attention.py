@@ -1,10 +1,15 @@
-"""Side-by-side attention speed on one GPU: jax-flash policies vs cuDNN / XLA attention.
+"""Side-by-side attention speed on one GPU: jax-flash policies vs cuDNN, XLA, JAX's Pallas mha and
+PyTorch's flash kernel, plus compiled memory footprints.
 
-    python -m bench.attention [--shapes 32x1024x12x64,4x8192x16x128] [--reps 30] [--out FILE.json]
+    python -m bench.attention [--shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128] [--reps 30]
+        [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md docs/BENCHMARKS.md]
 
 Method (../shared/ANCHORS.md): bf16, median of ``--reps`` timed runs after warm-up, all impls in one
 process; FLOPs = 4·B·H·T²·D non-causal, half that causal; fwd+bwd counted as 3.5× fwd. Records:
-``{"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device"}``.
+``{"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device"}``
+with impl in jax_flash, cudnn, xla, jax_pallas_mha, torch_flash (the last two when importable). Memory
+(``…-memory.json`` beside it): ``{"impl", "pass": "fwd+bwd", "shape", "temp_bytes", ...}`` from the
+compiled executable's ``memory_analysis()`` — flash attention should need nothing quadratic in T.
 """
 
 from __future__ import annotations
@@ -21,31 +26,74 @@ import numpy as np
 import jax_flash as jf
 
 
-def _timed(f, args, reps):
-    out = f(*args)
-    jax.block_until_ready(out)  # compile + warm-up
-    jax.block_until_ready(f(*args))
+def _timed(f, args, reps, sync=jax.block_until_ready):
+    sync(f(*args))  # compile + warm-up
+    sync(f(*args))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
+        sync(f(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) * 1e3
 
 
-def _impls(causal):
-    yield "jax_flash", "fa2", False, lambda q, k, v: jf.attention(q, k, v, causal=causal)
-    yield "jax_flash", "fa2", True, lambda q, k, v: jf.attention(q, k, v, causal=causal, stable=True)
-    yield "jax_flash", "paper", False, lambda q, k, v: jf.attention(q, k, v, causal=causal,
-                                                                     policy="paper")
-    yield "jax_flash", "paper", True, lambda q, k, v: jf.attention(q, k, v, causal=causal,
-                                                                    policy="paper", stable=True)
+def _jax_impls(causal):
+    """(impl, policy, stable, fn) for every JAX implementation."""
+    for policy in ("fa2", "paper"):
+        for stable in (False, True):
+            yield "jax_flash", policy, stable, (
+                lambda q, k, v, p=policy, s=stable: jf.attention(q, k, v, causal=causal, policy=p,
+                                                                  stable=s))
     for impl in ("cudnn", "xla"):
         yield impl, None, None, lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation=impl)
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+    except ImportError:
+        return
+    blocks = pallas_mha.BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64,
+                                   block_q_dq=64, block_kv_dq=64)
+    yield "jax_pallas_mha", None, None, lambda q, k, v: pallas_mha.mha(
+        q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal, block_sizes=blocks)
 
 
-def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), skip=()):
+def _jax_pass(f, pss):
+    if pss == "fwd":
+        return jax.jit(f)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _torch_records(shape, causal, passes, reps, flops, base):
+    """PyTorch SDPA restricted to its FlashAttention-2 backend, [B, H, T, D] layout."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    b, t, h, d = shape
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = []
+    for pss in passes:
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = sdpa(q, k, v, is_causal=causal)
+                if pss != "fwd":
+                    o.float().sum().backward()
+            return o
+
+        ms = _timed(lambda: run(), (), reps, sync=lambda _: torch.cuda.synchronize())
+        fl = flops if pss == "fwd" else 3.5 * flops
+        out.append(dict(base, impl="torch_flash", policy=None, stable=None, **{"pass": pss}, ms=ms,
+                        tflops=fl / ms / 1e9, torch_version=torch.__version__))
+    return out
+
+
+def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print):
     records = []
     dev = jax.devices()[0].device_kind
     for shape in shapes:
@@ -54,29 +102,78 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), skip=()):
         q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
         for causal in causal_modes:
             flops = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
-            for impl, policy, stable, f in _impls(causal):
-                if (impl, policy) in skip:
-                    continue
+            base = dict(shape=list(shape), causal=causal, jax_version=jax.__version__, device=dev)
+            for impl, policy, stable, f in _jax_impls(causal):
                 for pss in passes:
-                    if pss == "fwd":
-                        g, fl = jax.jit(f), flops
-                    else:
-                        loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32))
-                        g, fl = jax.jit(jax.grad(loss, argnums=(0, 1, 2))), 3.5 * flops
                     try:
-                        ms = _timed(g, (q, k, v), reps)
-                    except Exception as e:  # an impl unavailable for this shape: record why
-                        print(f"{impl} {policy} {shape} {pss}: failed: {type(e).__name__}: "
-                              f"{str(e)[:200]}")
+                        ms = _timed(_jax_pass(f, pss), (q, k, v), reps)
+                    except Exception as e:  # unavailable for this shape/backend: say why, go on
+                        log(f"{impl} {policy} {shape} {pss}: failed: {type(e).__name__}: "
+                            f"{str(e)[:200]}")
                         continue
-                    rec = dict(impl=impl, policy=policy, stable=stable, shape=list(shape),
-                               causal=causal, **{"pass": pss}, ms=ms, tflops=fl / ms / 1e9,
-                               jax_version=jax.__version__, device=dev)
-                    records.append(rec)
-                    print(f"{'x'.join(map(str, shape)):>16} causal={causal!s:5} {pss:8} "
-                          f"{impl:10} {str(policy):6} stable={str(stable):5} {ms:9.3f} ms "
-                          f"{rec['tflops']:7.1f} TFLOP/s", flush=True)
+                    fl = flops if pss == "fwd" else 3.5 * flops
+                    records.append(dict(base, impl=impl, policy=policy, stable=stable,
+                                        **{"pass": pss}, ms=ms, tflops=fl / ms / 1e9))
+                    _log_record(records[-1], log)
+            for rec in _torch_records(shape, causal, passes, reps, flops, base):
+                records.append(rec)
+                _log_record(rec, log)
     return records
+
+
+def _log_record(rec, log):
+    log(f"{'x'.join(map(str, rec['shape'])):>16} causal={rec['causal']!s:5} {rec['pass']:8} "
+        f"{rec['impl']:14} {str(rec['policy']):6} stable={str(rec['stable']):5} {rec['ms']:9.3f} ms "
+        f"{rec['tflops']:7.1f} TFLOP/s")
+
+
+def memory(lengths, batch=1, heads=16, head_dim=128, log=print):
+    """Temp bytes of the compiled fwd+bwd at long sequence lengths: flash vs XLA softmax attention."""
+    out = []
+    for t in lengths:
+        shape = (batch, t, heads, head_dim)
+        args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3
+        for impl, f in (("jax_flash", lambda q, k, v: jf.attention(q, k, v)),
+                        ("xla", lambda q, k, v: jax.nn.dot_product_attention(
+                            q, k, v, is_causal=True, implementation="xla"))):
+            try:
+                mem = _jax_pass(f, "fwd+bwd").lower(*args).compile().memory_analysis()
+                temp = int(mem.temp_size_in_bytes)
+            except Exception as e:
+                log(f"memory {impl} T={t}: failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            out.append(dict(impl=impl, shape=list(shape), **{"pass": "fwd+bwd"}, temp_bytes=temp,
+                            quadratic_bytes=batch * heads * t * t * 4))
+            log(f"memory T={t:6d} {impl:10} temp {temp / 2**20:10.1f} MiB "
+                f"(one FP32 T×T score matrix: {batch * heads * t * t * 4 / 2**20:.0f} MiB)")
+    return out
+
+
+def markdown(records, mem=()):
+    """A table per shape: impl rows × (fwd, fwd+bwd) TFLOP/s, plus the memory table."""
+    lines = []
+    keyf = lambda r: (r["impl"], str(r["policy"]), str(r["stable"]))
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in records):
+        for causal in dict.fromkeys(r["causal"] for r in records):
+            rows = [r for r in records if tuple(r["shape"]) == shape and r["causal"] == causal]
+            if not rows:
+                continue
+            lines += [f"\n### {'×'.join(map(str, shape))}, {'causal' if causal else 'non-causal'}",
+                      "| impl | policy | stable | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+                      "|---|---|---|---|---|---|---|"]
+            for key in dict.fromkeys(keyf(r) for r in rows):
+                got = {r["pass"]: r for r in rows if keyf(r) == key}
+                cells = []
+                for pss in ("fwd", "fwd+bwd"):
+                    r = got.get(pss)
+                    cells += [f"{r['ms']:.3f}", f"{r['tflops']:.0f}"] if r else ["—", "—"]
+                lines.append("| " + " | ".join(list(key) + cells) + " |")
+    if mem:
+        lines += ["\n### Compiled fwd+bwd temp memory", "| impl | shape | temp MiB | T×T FP32 MiB |",
+                  "|---|---|---|---|"]
+        lines += [f"| {m['impl']} | {'×'.join(map(str, m['shape']))} | {m['temp_bytes'] / 2**20:.1f} "
+                  f"| {m['quadratic_bytes'] / 2**20:.0f} |" for m in mem]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
@@ -84,16 +181,26 @@ def main(argv=None):
     ap.add_argument("--shapes", default="32x1024x12x64,8x2048x16x128,4x8192x16x128")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--non-causal", action="store_true", help="also time causal=False")
+    ap.add_argument("--memory-lengths", default="8192,16384", help="'' to skip")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--md", default=None, help="also write the markdown tables here")
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     modes = (True, False) if args.non_causal else (True,)
     records = run(shapes, args.reps, modes)
-    out = args.out or (f"bench/results/{datetime.date.today()}-"
-                       f"{jax.devices()[0].device_kind.replace(' ', '_')}.json")
+    mem = memory([int(t) for t in args.memory_lengths.split(",") if t])
+    device = jax.devices()[0].device_kind.replace(" ", "_")
+    out = args.out or f"bench/results/{datetime.date.today()}-{device}.json"
     with open(out, "w") as f:
         json.dump(records, f, indent=1)
-    print("wrote", out)
+    with open(out.replace(".json", "-memory.json"), "w") as f:
+        json.dump(mem, f, indent=1)
+    print("wrote", out, "and its -memory.json")
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(f"# Attention benchmarks\n\n`python -m bench.attention` on {device}, jax "
+                    f"{jax.__version__}, {datetime.date.today()} (`{out}`).\n" + markdown(records, mem))
+        print("wrote", args.md)
 
 
 if __name__ == "__main__":
