@@ -183,6 +183,10 @@ def _tie_policy(spec):
 
 # ----------------------------------------------------------------------------- the probe
 
+# Per-layer scalars reported as they are (one value per layer).
+_LAYER_SCALARS = ("act_rms", "act_max", "attn_out_rms", "o_err", "o_err_away", "resid_rms", "resid_max")
+
+
 
 class CausalChainProbe:
     """All per-layer / per-head metrics of the module docstring in one jitted call.
@@ -213,22 +217,7 @@ class CausalChainProbe:
         sk, vk = D.power_iteration(wk, vk, self.power_iters)
 
         loss, layers = chain_tensors(model, x, y)
-        per = {
-            k: []
-            for k in (
-                "max_logit",
-                "tie_frac",
-                "delta_err",
-                "delta_err_abs",
-                "act_rms",
-                "act_max",
-                "attn_out_rms",
-                "o_err",
-                "o_err_away",
-                "resid_rms",
-                "resid_max",
-            )
-        }
+        per = {k: [] for k in ("max_logit", "tie_frac", "delta_err", "delta_err_abs") + _LAYER_SCALARS}
         for lay in layers:
             q, k = lay["q"], lay["k"]
             per["max_logit"].append(D.max_logit(q, k))
@@ -302,15 +291,7 @@ class CausalChainProbe:
             m[f"delta_err/{tag}"] = float(derr[l].sum())
             m[f"delta_err_cum/{tag}"] = float(self.cum["layer"][l])
             m[f"delta_err_abs/{tag}"] = float(out["delta_err_abs"][l])
-            for name in (
-                "act_rms",
-                "act_max",
-                "attn_out_rms",
-                "o_err",
-                "o_err_away",
-                "resid_rms",
-                "resid_max",
-            ):
+            for name in _LAYER_SCALARS:
                 if name in out:
                     m[f"{name}/{tag}"] = float(out[name][l])
             if self.per_head:
