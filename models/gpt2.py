@@ -9,7 +9,7 @@ Mixed precision follows nanoGPT under bf16 autocast: parameters are FP32 ("maste
 matmul runs in ``GPTConfig.dtype`` (default bfloat16) with bf16 outputs; LayerNorm and GELU compute in
 FP32; the residual stream stays FP32 (embeddings are FP32 and branch outputs are added to it, as
 autocast does); the tied LM head multiplies bf16 operands with FP32 accumulation and FP32 output, so
-logits and the cross-entropy are FP32 (nanoGPT would round the logits to bf16 first).
+logits and the cross-entropy are FP32 (nanoGPT rounds the logits to bf16 first: ``logits_dtype="bfloat16"`` does the same).
 
 Q, K and V are separate ``nnx.Linear`` layers per block (``attn.wq``, ``attn.wk``, ``attn.wv``), each
 with kernel shape ``[n_embd, n_embd]`` (input, output). Head ``h`` of W_Q is
@@ -91,6 +91,9 @@ class GPTConfig:
     n_embd: int = 768
     dtype: str = "bfloat16"  # compute dtype of matmuls / activations
     param_dtype: str = "float32"  # master weights
+    # "float32": logits leave the head's matmul in FP32; "bfloat16": rounded to bf16 first, as nanoGPT's
+    # lm_head output is under bf16 autocast (the loss is FP32 either way).
+    logits_dtype: str = "float32"
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
     # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
@@ -352,6 +355,8 @@ class GPT(nnx.Module):
             self.wte.embedding[...].astype(dt),
             preferred_element_type=jnp.float32,
         )
+        if cfg.logits_dtype != "float32":
+            logits = logits.astype(cfg.logits_dtype).astype(jnp.float32)
         return (logits, captures) if return_intermediates else logits
 
 

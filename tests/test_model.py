@@ -275,3 +275,17 @@ def test_unknown_attention_kind_raises():
     model = GPT(small_cfg(attention=AttentionSpec("nope")), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="unknown attention kind"):
         model(tokens())
+
+
+def test_bf16_logits_option_rounds_like_autocast():
+    """model.logits_dtype="bfloat16" gives exactly the FP32 logits rounded to bf16 (nanoGPT's lm_head
+    output under autocast); the default keeps FP32."""
+    import dataclasses
+
+    cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    idx = jnp.arange(16, dtype=jnp.int32)[None] % 128
+    f32 = GPT(cfg, rngs=nnx.Rngs(0))(idx)
+    b16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))(idx)
+    assert f32.dtype == b16.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(b16), np.asarray(f32.astype(jnp.bfloat16), np.float32))
+    assert np.any(np.asarray(b16) != np.asarray(f32))
