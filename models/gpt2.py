@@ -9,7 +9,8 @@ Mixed precision follows nanoGPT under bf16 autocast: parameters are FP32 ("maste
 matmul runs in ``GPTConfig.dtype`` (default bfloat16) with bf16 outputs; LayerNorm and GELU compute in
 FP32; the residual stream stays FP32 (embeddings are FP32 and branch outputs are added to it, as
 autocast does); the tied LM head multiplies bf16 operands with FP32 accumulation and FP32 output, so
-logits and the cross-entropy are FP32 (nanoGPT rounds the logits to bf16 first: ``logits_dtype="bfloat16"`` does the same).
+logits and the cross-entropy are FP32 (nanoGPT rounds the logits to bf16 first;
+``logits_dtype="bfloat16"`` does the same).
 
 Q, K and V are separate ``nnx.Linear`` layers per block (``attn.wq``, ``attn.wk``, ``attn.wv``), each
 with kernel shape ``[n_embd, n_embd]`` (input, output). Head ``h`` of W_Q is
