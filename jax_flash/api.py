@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import jnp_impl, pallas
+from .pallas import tuning
 from .policy import POLICIES, make_policy
 from .tile import Config
 
@@ -120,14 +121,19 @@ def _make_config(q, k, v, *, causal, stable, beta, sm_scale, policy, delta, impl
     if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a finite number > 0, got {sm_scale!r}")
     pol = make_policy(policy, q.dtype)
-    cfg = Config(policy=pol, causal=bool(causal), stable=bool(stable), beta=float(beta),
-                 sm_scale=float(sm_scale), delta=delta,
-                 block_q=_block(block_q, pol.block_q, q_len, "block_q"),
-                 block_k=_block(block_k, pol.block_k, kv_len, "block_k"),
-                 q_len=q_len, kv_len=kv_len)
     auto = impl == "auto"
     if auto:
         impl = "pallas" if jax.default_backend() == "gpu" else "jnp"
+    # Tuned tiles and launch parameters for the GPU kernels (pallas/tuning.json), where measured.
+    tuned = tuning.lookup(policy, head_dim, kv_len, bool(causal)) \
+        if impl == "pallas" and jax.default_backend() == "gpu" else {}
+    launch = {p: (tuned[p]["num_warps"], tuned[p]["num_stages"]) for p in ("fwd", "bwd") if p in tuned}
+    cfg = Config(policy=pol, causal=bool(causal), stable=bool(stable), beta=float(beta),
+                 sm_scale=float(sm_scale), delta=delta,
+                 block_q=_block(block_q, tuned.get("block_q", pol.block_q), q_len, "block_q"),
+                 block_k=_block(block_k, tuned.get("block_k", pol.block_k), kv_len, "block_k"),
+                 q_len=q_len, kv_len=kv_len, fwd_launch=launch.get("fwd"),
+                 bwd_launch=launch.get("bwd"))
     if impl == "pallas" and jax.default_backend() == "gpu" and \
             2 * cfg.block_k * head_dim * pol.operand_dtype.itemsize > MAX_KV_TILE_BYTES:
         # K and V tiles must both fit in shared memory (H200: 227 KiB per block).

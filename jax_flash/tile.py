@@ -43,6 +43,10 @@ class Config:
     block_k: int
     q_len: int  # true (unpadded) lengths; tails beyond them are masked
     kv_len: int
+    # Triton launch parameters ((num_warps, num_stages) for the forward and the backward kernels);
+    # None: the defaults. They do not change the numerics.
+    fwd_launch: tuple | None = None
+    bwd_launch: tuple | None = None
 
     @property
     def score_scale(self) -> float:

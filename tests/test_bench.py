@@ -34,3 +34,28 @@ def test_memory_grows_linearly_for_flash_quadratically_for_xla():
     assert temp["xla", 4096] / temp["xla", 2048] > 3.5
     quadratic = [m["quadratic_bytes"] for m in mem if m["shape"][1] == 4096][0]
     assert temp["xla", 4096] >= quadratic > 4 * temp["jax_flash", 4096]
+
+
+def test_tuning_table_reaches_the_kernel_config(monkeypatch):
+    """An entry of jax_flash/pallas/tuning.json (here an override, as the tuner sets) chooses the GPU
+    kernels' tiles and launch parameters; user-given block sizes still win; off the GPU it is unused."""
+    import jax.numpy as jnp
+
+    from jax_flash.api import _make_config
+    from jax_flash.pallas import tuning
+
+    x = jnp.zeros((1, 1000, 2, 64), jnp.bfloat16)
+    kw = dict(causal=True, stable=False, beta=2.0, sm_scale=None, policy="fa2", delta="o",
+              impl="pallas", block_q=None, block_k=None)
+    entry = {"block_q": 128, "block_k": 32, "fwd": {"num_warps": 8, "num_stages": 3},
+             "bwd": {"num_warps": 4, "num_stages": 2}}
+    assert tuning.key("fa2", 64, 1000, True) == "fa2/d64/t1024/causal"
+    with tuning.override(entry):
+        cpu_cfg, _ = _make_config(x, x, x, **kw)
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        cfg, impl = _make_config(x, x, x, **kw)
+        user, _ = _make_config(x, x, x, **{**kw, "block_k": 64})
+    assert (cpu_cfg.block_q, cpu_cfg.block_k, cpu_cfg.fwd_launch) == (64, 64, None)
+    assert impl == "pallas" and (cfg.block_q, cfg.block_k) == (128, 32)
+    assert cfg.fwd_launch == (8, 3) and cfg.bwd_launch == (4, 2)
+    assert user.block_k == 64

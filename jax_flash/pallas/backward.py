@@ -62,7 +62,7 @@ def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Config,
     out_ref[...] = tile.delta_finish(acc, do, cfg)
 
 
-def delta(q, k, v, o, do, lse, cfg: Config, *, num_warps=None, num_stages=None):
+def delta(q, k, v, o, do, lse, cfg: Config):
     """δ ``[B, H, Tq]`` (FP32) for the configured δ mode."""
     if cfg.delta == "o":
         return tile.delta_from_o(o, do).transpose(0, 2, 1)
@@ -77,7 +77,7 @@ def delta(q, k, v, o, do, lse, cfg: Config, *, num_warps=None, num_stages=None):
         out_specs=_row_spec(bq),
         out_shape=jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32),
         interpret=interpret_mode(),
-        compiler_params=compiler_params(num_warps, num_stages, d, bq, bk),
+        compiler_params=compiler_params(cfg.bwd_launch, d, bq, bk),
         name=_name("delta", cfg),
     )(q, k, v, do, lse)
 
@@ -124,13 +124,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def backward(q, k, v, do, lse, dlt, cfg: Config, *, num_warps=None, num_stages=None):
+def backward(q, k, v, do, lse, dlt, cfg: Config):
     """(dQ, dK, dV) in FP32, ``[B, T, H, D]``."""
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk = tq // bq, tk // bk
-    params = compiler_params(num_warps, num_stages, d, bq, bk)
+    params = compiler_params(cfg.bwd_launch, d, bq, bk)
     f32 = jnp.float32
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, nq=nq),

@@ -10,14 +10,14 @@ def interpret_mode() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def compiler_params(num_warps, num_stages, head_dim: int, block_q: int, block_k: int):
-    """Triton compiler parameters (passing them selects the Triton backend over Mosaic GPU)."""
+def compiler_params(launch, head_dim: int, block_q: int, block_k: int):
+    """Triton compiler parameters (passing them selects the Triton backend over Mosaic GPU).
+
+    launch: (num_warps, num_stages) from the tuning table, or None for the defaults."""
     if interpret_mode():
         return None
     from jax.experimental.pallas import triton as plgpu
 
-    if num_warps is None:
-        num_warps = 4 if block_q * block_k <= 64 * 64 and head_dim <= 64 else 8
-    if num_stages is None:
-        num_stages = 2
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if launch is None:
+        launch = (4 if block_q * block_k <= 64 * 64 and head_dim <= 64 else 8, 2)
+    return plgpu.CompilerParams(num_warps=launch[0], num_stages=launch[1])

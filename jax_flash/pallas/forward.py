@@ -44,7 +44,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int
     lse_ref[...] = lse
 
 
-def forward(q, k, v, cfg: Config, *, o_dtype, num_warps=None, num_stages=None):
+def forward(q, k, v, cfg: Config, *, o_dtype):
     """Returns O ``[B, Tq, H, D]`` in ``o_dtype`` and L ``[B, H, Tq]`` (FP32)."""
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
@@ -61,6 +61,6 @@ def forward(q, k, v, cfg: Config, *, o_dtype, num_warps=None, num_stages=None):
         out_shape=[jax.ShapeDtypeStruct((bsz, tq, h, d), o_dtype),
                    jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32)],
         interpret=interpret_mode(),
-        compiler_params=compiler_params(num_warps, num_stages, d, bq, bk),
+        compiler_params=compiler_params(cfg.fwd_launch, d, bq, bk),
         name=f"jax_flash_fwd_{cfg.policy.name}{'_stable' if cfg.stable else ''}",
     )(q, k, v)

@@ -1,0 +1,110 @@
+"""Autotune the Triton kernels' tiles and launch parameters on the GPU; write jax_flash/pallas/tuning.json.
+
+    python -m bench.tune [--shapes 32x1024x12x64,4x8192x16x128] [--policies fa2,paper] [--reps 20]
+        [--budget-s 480] [--out jax_flash/pallas/tuning.json] [--log FILE.json]
+
+For each shape and policy: first the forward launch (num_warps, num_stages) per tile pair, timed on the
+forward; then, with each tile pair's best forward, the backward launch, timed on forward+backward. The
+fastest forward+backward wins and is merged into the table under `tuning.key(...)` (causal, bf16,
+stable off — the stable kernels are the same kernels). Candidates that do not compile (shared memory)
+are skipped and logged. "paper" keeps its 512-wide key tiles (they define its numerics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash as jf
+from jax_flash.pallas import tuning
+
+from .attention import _jax_pass, _timed
+
+TILES = {"fa2": [(64, 32), (64, 64), (128, 64), (64, 128), (128, 128)],
+         "fp32": [(32, 32), (64, 32), (64, 64)],
+         "paper": [(16, 512), (32, 512), (64, 512)]}
+LAUNCHES = [(4, 2), (4, 3), (8, 2), (8, 3)]
+
+
+def tune_one(shape, policy, reps, deadline, log):
+    b, t, h, d = shape
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
+    f = lambda q, k, v: jf.attention(q, k, v, policy=policy, impl="pallas")
+    trials, best = [], None
+    for bq, bk in TILES[policy]:
+        fwd_best = None
+        for launch in LAUNCHES:
+            if time.time() > deadline:
+                return best, trials
+            entry = {"block_q": bq, "block_k": bk, "fwd": dict(zip(("num_warps", "num_stages"), launch))}
+            try:
+                with tuning.override(entry):
+                    ms = _timed(_jax_pass(f, "fwd"), (q, k, v), reps)
+            except Exception as e:
+                log(f"{shape} {policy} {bq}x{bk} fwd {launch}: skipped ({type(e).__name__})")
+                continue
+            trials.append(dict(shape=list(shape), policy=policy, **entry, **{"pass": "fwd"}, ms=ms))
+            if fwd_best is None or ms < fwd_best[0]:
+                fwd_best = (ms, entry)
+        if fwd_best is None:
+            continue
+        for launch in LAUNCHES:
+            if time.time() > deadline:
+                return best, trials
+            entry = dict(fwd_best[1], bwd=dict(zip(("num_warps", "num_stages"), launch)))
+            try:
+                with tuning.override(entry):
+                    ms = _timed(_jax_pass(f, "fwd+bwd"), (q, k, v), reps)
+            except Exception as e:
+                log(f"{shape} {policy} {bq}x{bk} bwd {launch}: skipped ({type(e).__name__})")
+                continue
+            trials.append(dict(shape=list(shape), policy=policy, **entry, **{"pass": "fwd+bwd"},
+                               ms=ms))
+            log(f"{'x'.join(map(str, shape))} {policy} tiles {bq}x{bk} fwd {entry['fwd']} "
+                f"bwd {entry['bwd']}: {ms:.3f} ms")
+            if best is None or ms < best[0]:
+                best = (ms, entry)
+    return best, trials
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="32x1024x12x64,4x8192x16x128")
+    ap.add_argument("--policies", default="fa2")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=480)
+    ap.add_argument("--out", default=str(tuning.TABLE_PATH))
+    ap.add_argument("--log", default="tune_log.json")
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        raise SystemExit("bench.tune times the Triton kernels: it needs a GPU (the table is unused elsewhere)")
+    deadline = time.time() + args.budget_s
+    table = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    all_trials = []
+    for shape, policy in itertools.product(
+            [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
+            args.policies.split(",")):
+        best, trials = tune_one(shape, policy, args.reps, deadline, print)
+        all_trials += trials
+        if best:
+            key = tuning.key(policy, shape[3], shape[1], True)
+            table[key] = dict(best[1], ms=best[0], jax_version=jax.__version__,
+                              device=jax.devices()[0].device_kind)
+            print(f"best {key}: {table[key]}")
+    with open(args.out, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    with open(args.log, "w") as f:
+        json.dump(all_trials, f, indent=1)
+    print("wrote", args.out, "and", args.log)
+
+
+if __name__ == "__main__":
+    main()

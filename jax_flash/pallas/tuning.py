@@ -1,0 +1,46 @@
+"""Launch parameters of the Triton kernels per (policy, head_dim, sequence length, causal).
+
+`tuning.json` beside this file is written by `python -m bench.tune` on a GPU and shipped with the
+package; a missing entry means the built-in defaults (64×64 tiles for "fa2"/"fp32", 32×512 for
+"paper"; 4 warps, or 8 for large tiles; 2 stages). `override` lets the tuner try candidates.
+Entries: ``{"block_q", "block_k", "fwd": {"num_warps", "num_stages"}, "bwd": {...}}`` (tiles shared by
+all kernels of a call). The key tile size changes the numerics (the online-softmax rescaling); the
+tuner keeps "paper" at its 512-wide key tiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from pathlib import Path
+
+TABLE_PATH = Path(__file__).with_name("tuning.json")
+_OVERRIDE: list[dict] = []
+
+
+def key(policy: str, head_dim: int, seq_len: int, causal: bool) -> str:
+    bucket = min(max(1 << (max(seq_len, 1) - 1).bit_length(), 512), 16384)
+    return f"{policy}/d{head_dim}/t{bucket}/{'causal' if causal else 'full'}"
+
+
+@functools.cache
+def _table() -> dict:
+    return json.loads(TABLE_PATH.read_text()) if TABLE_PATH.exists() else {}
+
+
+def lookup(policy: str, head_dim: int, seq_len: int, causal: bool) -> dict:
+    """The entry for this call ({} if none)."""
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
+    return _table().get(key(policy, head_dim, seq_len, causal), {})
+
+
+@contextlib.contextmanager
+def override(entry: dict):
+    """Use ``entry`` for every call traced inside the block (for the tuner)."""
+    _OVERRIDE.append(entry)
+    try:
+        yield
+    finally:
+        _OVERRIDE.pop()
