@@ -35,11 +35,16 @@ def _planted(rng, shape, sv):
 
 
 def test_power_iteration_matches_svd_and_warm_start_is_faster(rng):
-    # random Gaussian per-head kernels (no spectral gap to speak of) after many iterations
+    # Random Gaussian per-head kernels after many iterations. Power iteration converges like
+    # (σ2/σ1)^(2n): heads whose top two singular values happen to nearly coincide converge slowly
+    # (seen: one head of 12 off by 2e-3), so the tight check is on heads with σ2/σ1 < 0.97.
     w = rng.standard_normal((3, 4, 96, 16)) * 0.02
     sigma, v = D.power_iteration(w, rng.standard_normal((3, 4, 16)), n_iter=300)
-    ref = np.linalg.svd(w, compute_uv=False)[..., 0]
-    np.testing.assert_allclose(np.asarray(sigma), ref, rtol=2e-4)
+    sv = np.linalg.svd(w, compute_uv=False)
+    ref, gapped = sv[..., 0], sv[..., 1] / sv[..., 0] < 0.97
+    np.testing.assert_allclose(np.asarray(sigma)[gapped], ref[gapped], rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(sigma), ref, rtol=2e-2)
+    assert gapped.sum() >= 3  # ~80 % of such heads are gapped; fewer than 3 of 12: p ≈ 4e-6
 
     # small gap (σ2/σ1 = 0.9): 3 cold iterations are far off, 3 warm ones (from the vector of a
     # slightly different matrix, as between two probe calls) are not
