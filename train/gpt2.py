@@ -524,7 +524,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
-    summary = train(cfg)
+    from train.probes import default_probes  # probe_every > 0 turns the causal-chain probe on
+
+    summary = train(cfg, probes=default_probes(cfg))
     print(json.dumps(summary, indent=2))
 
 
