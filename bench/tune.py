@@ -38,40 +38,35 @@ def tune_one(shape, policy, reps, deadline, log):
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
     f = lambda q, k, v: jf.attention(q, k, v, policy=policy, impl="pallas")
-    trials, best = [], None
-    for bq, bk in TILES[policy]:
-        fwd_best = None
-        for launch in LAUNCHES:
+    trials = []
+    launch_of = lambda launch: dict(zip(("num_warps", "num_stages"), launch))
+
+    def best_of(entries, pss):
+        """Time each candidate entry on pass `pss`; (ms, entry) of the fastest, None if none ran."""
+        best = None
+        for entry in entries:
             if time.time() > deadline:
-                return best, trials
-            entry = {"block_q": bq, "block_k": bk, "fwd": dict(zip(("num_warps", "num_stages"), launch))}
+                break
             try:
                 with tuning.override(entry):
-                    ms = _timed(_jax_pass(f, "fwd"), (q, k, v), reps)
-            except Exception as e:
-                log(f"{shape} {policy} {bq}x{bk} fwd {launch}: skipped ({type(e).__name__})")
+                    ms = _timed(_jax_pass(f, pss), (q, k, v), reps)
+            except Exception as e:  # e.g. shared memory exceeded: not a candidate
+                log(f"{shape} {policy} {entry}: skipped ({type(e).__name__})")
                 continue
-            trials.append(dict(shape=list(shape), policy=policy, **entry, **{"pass": "fwd"}, ms=ms))
-            if fwd_best is None or ms < fwd_best[0]:
-                fwd_best = (ms, entry)
-        if fwd_best is None:
-            continue
-        for launch in LAUNCHES:
-            if time.time() > deadline:
-                return best, trials
-            entry = dict(fwd_best[1], bwd=dict(zip(("num_warps", "num_stages"), launch)))
-            try:
-                with tuning.override(entry):
-                    ms = _timed(_jax_pass(f, "fwd+bwd"), (q, k, v), reps)
-            except Exception as e:
-                log(f"{shape} {policy} {bq}x{bk} bwd {launch}: skipped ({type(e).__name__})")
-                continue
-            trials.append(dict(shape=list(shape), policy=policy, **entry, **{"pass": "fwd+bwd"},
-                               ms=ms))
-            log(f"{'x'.join(map(str, shape))} {policy} tiles {bq}x{bk} fwd {entry['fwd']} "
-                f"bwd {entry['bwd']}: {ms:.3f} ms")
+            trials.append(dict(shape=list(shape), policy=policy, **entry, **{"pass": pss}, ms=ms))
+            log(f"{'x'.join(map(str, shape))} {policy} {pss} {entry}: {ms:.3f} ms")
             if best is None or ms < best[0]:
                 best = (ms, entry)
+        return best
+
+    best = None
+    for bq, bk in TILES[policy]:
+        fwd = best_of([{"block_q": bq, "block_k": bk, "fwd": launch_of(lc)} for lc in LAUNCHES], "fwd")
+        if fwd is None:
+            continue
+        both = best_of([dict(fwd[1], bwd=launch_of(lc)) for lc in LAUNCHES], "fwd+bwd")
+        if both is not None and (best is None or both[0] < best[0]):
+            best = both
     return best, trials
 
 
