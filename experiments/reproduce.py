@@ -51,8 +51,13 @@ def run(args):
     # A fixed probe batch (8 held-out windows), the same at every probe and in every arm.
     px, py = data_lib.fixed_batch(tokens.val, 8, cfg.data.seq_len or cfg.model.block_size, seed=7)
     chain = CausalChainProbe(n_seq=8, per_head=True)
-    probe = lambda step, model, batch: chain(step, model, (px, py))
-    summary = train(cfg, tokens=tokens, probes=[probe])
+    probes = [lambda step, model, batch: chain(step, model, (px, py))]
+    if args.compare_torch_at:  # GPU only: our "fa2" kernel vs PyTorch flash on the model's tensors
+        from experiments.gpu.torch_compare import TorchFlashCompare
+
+        steps = [int(s) for s in args.compare_torch_at.split(",")]
+        probes.append(TorchFlashCompare((px, py), steps, layers=range(cfg.model.n_layer)))
+    summary = train(cfg, tokens=tokens, probes=probes)
     summary["device"] = jax.devices()[0].device_kind
     summary["jax_version"] = jax.__version__
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -127,6 +132,8 @@ def main(argv=None):
     r.add_argument("--progress", default="false")
     r.add_argument("--data", default="data/full.npz")
     r.add_argument("--out", default="results/repro")
+    r.add_argument("--compare-torch-at", default="",
+                   help="steps (comma-separated) at which to compare with PyTorch flash (GPU + torch)")
     r.add_argument("overrides", nargs="*", help="extra key=value overrides (e.g. model.n_layer=6)")
     t = sub.add_parser("table")
     t.add_argument("root")
