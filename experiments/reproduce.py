@@ -71,6 +71,10 @@ def first_step_above(recs, key, threshold):
     return None
 
 
+def at(recs, step, key):
+    return next((r.get(key) for r in recs if r["step"] == step), None)
+
+
 def probe_overhead(recs):
     """Median probe call (after the first, which compiles) and its share of the steps between probes."""
     import statistics
@@ -106,6 +110,9 @@ def table(args):
             "last L1 max ‖W_Q‖₂": last.get(f"wq_norm_max/L{LAYER}"),
             "last L1 tie frac": last.get(f"tie_frac/L{LAYER}"),
             **{f"loss@{s}": v for s, v in loss_at.items()},
+            # at common steps, so arms of different lengths compare
+            **{f"L1 max logit@{s}": at(probes, s, f"max_logit/L{LAYER}") for s in (2000, 3000)},
+            **{f"L1 max ‖W_Q‖₂@{s}": at(probes, s, f"wq_norm_max/L{LAYER}") for s in (2000, 3000)},
             "diverged at": summary.get("diverged_at") or f"none by {recs[-1]['step'] if recs else 0}",
             **probe_overhead(recs),
         })

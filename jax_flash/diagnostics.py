@@ -115,6 +115,17 @@ def tied_row_mask(q, k, *, policy="fa2"):
     return jax.vmap(jax.vmap(rows))(qt, kt)
 
 
+def tied_row_mask_rounded_scores(q, k, *, dtype="bfloat16", sm_scale=None):
+    """``[B, H, T]`` bool: causal rows whose maximum is reached by ≥ 2 entries once the FP32 scores
+    are rounded to ``dtype`` — the tie count a probe sees when it takes S from a low-precision
+    matmul (e.g. ``q @ k.T`` under bf16 autocast) instead of accumulating in FP32."""
+    import jax.numpy as jnp
+
+    s = causal_scores(q, k, sm_scale).astype(dtype)  # -inf stays -inf
+    r_m = jnp.max(s, axis=-1, keepdims=True)
+    return jnp.sum(s == r_m, axis=-1) >= 2
+
+
 def flash_stored_o_and_delta(q, k, v, do, *, causal=True, stable=False, beta=2.0, sm_scale=None,
                              policy="fa2", delta="o", impl="auto", block_q=None, block_k=None):
     """What ``jax_flash.attention``'s backward works with: (O as the kernel stores it for δ

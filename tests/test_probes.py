@@ -109,6 +109,26 @@ def test_tie_fraction_matches_brute_force(rng):
     assert 0.2 < frac < 0.9
 
 
+def test_rounded_score_ties_count_near_ties_that_fp32_separates(rng):
+    b, t, h, d = 2, 48, 2, 16
+    q, k = _bf16(rng.standard_normal((b, t, h, d))), _bf16(rng.standard_normal((b, t, h, d)))
+    # a near-tied dominant pair: scores ≈ 20 and 20 + 0.01, apart in FP32 (and in the fa2 test,
+    # 0.01 > 0.002) but one bf16 value (spacing 0.125 at 20)
+    q[:, :, :, :2], q[:, :, :, 2:] = (4.0, 1.0), 0.0  # S = (4·k₀ + k₁)/4
+    k[:, 5, :, :2], k[:, 5, :, 2:] = (20.0, 0.0), 0.0
+    k[:, 9, :, :2], k[:, 9, :, 2:] = (20.0, _bf16(0.04)), 0.0
+    q, k = jnp.asarray(q, BF16), jnp.asarray(k, BF16)
+    s = np.asarray(_scores64(np.asarray(q, np.float64), np.asarray(k, np.float64)))
+    assert 0 < s[0, 0, 20, 9] - s[0, 0, 20, 5] < 0.05  # a real, small gap in exact arithmetic
+    got = np.asarray(D.tied_row_mask_rounded_scores(q, k))
+    want = (s.astype(np.float32).astype(ml_dtypes.bfloat16) == s.max(-1, keepdims=True).astype(
+        np.float32).astype(ml_dtypes.bfloat16)).sum(-1) >= 2
+    np.testing.assert_array_equal(got, want)
+    assert got[:, :, 9:].all() and not got[:, :, :9].any()  # tied from the twin's row on
+    fa2 = np.asarray(D.tied_row_mask(q, k, policy="fa2"))
+    assert not fa2[:, :, 9:].any()  # FP32 scores keep the pair apart
+
+
 def test_max_logit_matches_brute_force(rng):
     q = _bf16(rng.standard_normal((2, 48, 3, 16)) * 2)
     k = _bf16(rng.standard_normal((2, 48, 3, 16)) * 2)

@@ -25,6 +25,8 @@ is ``L1/H7``):
                                   ``jax_flash.tile.tie_count`` of the head's flash policy over the
                                   whole row ("fa2" semantics — bf16(exp(S − max)) == 1 — for heads
                                   that are not flash); masked entries never count
+``tie_frac_bf16s/L{l}``           the same fraction when S is rounded to bf16 before the test (what
+                                  a probe taking S from a bf16 matmul would count); all heads
 ``act_rms/L{l}``, ``act_max/L{l}``  RMS and max |·| of the attention input (ln_1 output, compute dtype)
 ``resid_rms/L{l}``, ``resid_max``  the same for the block's output (residual stream), when the model
                                   captures it (``capture["resid"]``)
@@ -184,7 +186,7 @@ def _tie_policy(spec):
 # ----------------------------------------------------------------------------- the probe
 
 # Per-layer scalars reported as they are (one value per layer).
-_LAYER_SCALARS = ("act_rms", "act_max", "attn_out_rms", "o_err", "o_err_away", "resid_rms", "resid_max")
+_LAYER_SCALARS = ("tie_frac_bf16s", "act_rms", "act_max", "attn_out_rms", "o_err", "o_err_away", "resid_rms", "resid_max")
 
 
 
@@ -227,6 +229,9 @@ class CausalChainProbe:
             ]
             per["tie_frac"].append(
                 jnp.mean(jnp.concatenate(ties, axis=1).astype(jnp.float32), axis=(0, 2))
+            )
+            per["tie_frac_bf16s"].append(
+                jnp.mean(D.tied_row_mask_rounded_scores(q, k).astype(jnp.float32))
             )
             derr = lay["dlt_lp"] - lay["dlt_hp"]  # [b, H, t]
             per["delta_err"].append(jnp.sum(derr, axis=(0, 2)))

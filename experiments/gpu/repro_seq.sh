@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # Reproduction arms one after the other on one H200 (sequential runs are faster than concurrent
-# ones: docs/REPRODUCTION.md), metrics under $OUT/repro, logs under $OUT.
+# ones: docs/REPRODUCTION.md). Runs live on the machine's disk ($RUNS, checkpoint every 500 steps,
+# resumed when the same ARM:SEED comes again), so a run longer than one 10-minute command continues
+# in the next command while the machine stays warm. Metrics, config and log of each run are copied to
+# $OUT/repro/<arm>-s<seed>/ after every command.
 # Usage: bash experiments/gpu/repro_seq.sh LIMIT_S ARM:SEED:STEPS [ARM:SEED:STEPS ...]
 # Env: TIED=1 first runs the kernel-level tied-row comparison with PyTorch flash;
 #      COMPARE_AT=1000,2000 compares with PyTorch flash on the model's tensors at those steps.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; LIMIT=$1; shift
-mkdir -p "$OUT"
+OUT=${OUT:-out}; RUNS=${RUNS:-/tmp/jf-repro}; LIMIT=$1; shift
+mkdir -p "$OUT/repro" "$RUNS"
 python3 -c "import jax, jaxlib, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices()[0].device_kind)" | tee "$OUT/env.txt"
 if [ "${TIED:-0}" = 1 ]; then
   timeout 120 python3 -m experiments.gpu.torch_compare tied --rows 4000 --out "$OUT/tied_vs_torch.json" 2>&1 | tail -20
 fi
 for spec in "$@"; do
   IFS=: read -r arm seed steps <<< "$spec"
+  name="$arm-s$seed"
   timeout "$LIMIT" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
-    --probe-every 250 --data data/full.npz --out "$OUT/repro" --compare-torch-at "${COMPARE_AT:-}" \
-    > "$OUT/$arm-s$seed.log" 2>&1
-  echo "$arm seed $seed: exit $?"; tail -3 "$OUT/$arm-s$seed.log"
+    --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
+    --checkpoint-every 500 --resume true >> "$RUNS/$name.log" 2>&1
+  echo "$name: exit $?"; tail -3 "$RUNS/$name.log"
+  mkdir -p "$OUT/repro/$name"
+  cp "$RUNS/$name.log" "$OUT/repro/$name/run.log"
+  cp "$RUNS/$name"/{config.json,summary.json} "$OUT/repro/$name/" 2>/dev/null
+  gzip -c "$RUNS/$name/metrics.jsonl" > "$OUT/repro/$name/metrics.jsonl.gz"
 done
 python3 -m experiments.reproduce table "$OUT/repro"
-gzip -f "$OUT"/repro/*/metrics.jsonl

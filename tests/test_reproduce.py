@@ -1,0 +1,36 @@
+"""experiments/reproduce.py on CPU with a micro model: a run, its resumption to more steps (the way
+experiments/gpu/repro_seq.sh chains 10-minute GPU commands), and the table over runs."""
+
+import json
+
+import numpy as np
+
+from experiments import reproduce as R
+from test_train import Tokens
+
+MICRO = ["model.vocab_size=512", "model.n_layer=2", "model.n_head=4", "model.n_embd=64",
+         "model.block_size=32", "data.batch_size=4", "optim.warmup_steps=2", "data.eval_batches=1"]
+
+
+def test_run_resume_and_table(tmp_path, capsys):
+    tok = Tokens()
+    data = tmp_path / "tok.npz"
+    np.savez_compressed(data, train=tok.train, val=tok.val, meta=np.array(json.dumps({"train_tokens": len(tok.train), "val_tokens": len(tok.val)})))
+    args = ["run", "--arm", "fa2", "--seed", "3", "--probe-every", "2", "--data", str(data),
+            "--out", str(tmp_path / "runs"), "--checkpoint-every", "2", "--resume", "true"]
+    R.main(args + ["--steps", "4"] + MICRO)
+    run = tmp_path / "runs" / "fa2-s3"
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["seed"] == 3 and cfg["model"]["attention"]["kind"] == "flash"
+    R.main(args + ["--steps", "6"] + MICRO)  # continues from the step-4 checkpoint
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == 4
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in recs if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 6  # no step twice, none lost
+    assert [r["step"] for r in recs if "max_logit/L1" in r] == [2, 4, 6]
+    capsys.readouterr()
+    R.main(["table", str(tmp_path / "runs"), "--md", str(tmp_path / "t.md")])
+    table = (tmp_path / "t.md").read_text()
+    row = next(l for l in table.splitlines() if l.startswith("| fa2-s3"))
+    assert "| 6 |" in row and "none by 6" in row
