@@ -1,0 +1,601 @@
+"""CPU parity check, op by op, between our Flax NNX GPT-2 (models/gpt2.py) and a PyTorch GPT-2 with
+nanoGPT's semantics, given identical weights and inputs.
+
+    PYTHONPATH=. /work/torchvenv/bin/python -m experiments.torch_parity [--gpt2-small] [--out PATH]
+
+Needs torch (CPU) next to this project's jax/flax/optax; the main venv has no torch, so run it from a
+venv that has both (the versions used are recorded in the JSON).
+
+The PyTorch side (``TorchGPT``, written here) follows nanoGPT's model.py: pre-LN blocks, LayerNorm
+without bias (eps 1e-5), exact-erf GELU (``nn.GELU()``), no biases, tied wte / lm_head, learned wpe,
+one fused ``c_attn`` whose 3*n_embd output splits into q, k, v in that order, causal attention scaled
+by 1/sqrt(head_dim), ``c_proj`` residual projections. Our JAX init is copied into it
+(``c_attn.weight = concat(wq, wk, wv).T``, every other kernel transposed), and the gradients are
+mapped back to our layout, so every tensor is compared under its JAX name.
+
+Parts (``--parts``, comma separated):
+  a  FP32: loss, logits, every block's output (the residual stream) and every parameter gradient;
+     JAX compute dtype float32 with "standard" attention vs torch FP32 with SDPA's math backend.
+     The same again in float64 (``jax.enable_x64``, torch .double()): there the only differences left
+     are semantic ones, so anything above ~1e-10 there is a real model difference.
+  b  BF16 mixed precision as trained: our default dtypes (FP32 master weights, bf16 matmuls) vs torch
+     ``autocast(cpu, bfloat16)``; for logits_dtype float32 and bfloat16 (nanoGPT's lm_head output is
+     bf16 under autocast), torch attention via SDPA math and via nanoGPT's manual (non-flash) path.
+     Each side is also compared with the FP32 torch run, to put the JAX-vs-torch gap in scale.
+  c  Optimizer: (c1) train/gpt2.py's jitted ``train_step`` with ``make_optimizer`` (clip 1.0, AdamW
+     betas (0.9, 0.95), eps 1e-8, wd 0, nanoGPT lr schedule) vs ``torch.optim.AdamW`` +
+     ``clip_grad_norm_(1.0)`` + nanoGPT's ``get_lr`` for steps 0..3 in FP32, params compared after
+     every step; (c2) the optimizer alone: the same (torch) gradients fed to both optimizers.
+     Also our ``lr_schedule`` against nanoGPT's get_lr over a whole run.
+  d  Init statistics: std of every parameter of our init vs nanoGPT's rules (N(0, 0.02) Linear and
+     Embedding, N(0, 0.02/sqrt(2*n_layer)) for the c_proj residual projections, LayerNorm weight 1),
+     with torch's own init (nanoGPT rules, run here) alongside.
+  ln LayerNorm variance: flax's LayerNorm uses E[x^2] - E[x]^2 (``use_fast_variance=True``), torch a
+     two-pass / Welford variance; error against float64 on rows with a large common offset.
+
+Differences are reported per tensor as rel_max = max|ours - torch| / max|torch| and
+rel_l2 = ||ours - torch|| / ||torch||. Results go to ``--out`` (JSON) and a summary to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flax import nnx
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from models.gpt2 import GPT, GPTConfig, cross_entropy
+from train.config import OptimConfig, TrainConfig
+from train.gpt2 import init_state, lr_schedule, make_optimizer, split_model, train_step
+
+DEFAULT_OUT = os.path.join("docs", "results", "torch-parity-cpu.json")
+SMALL = dict(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64)
+GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+
+
+# ----------------------------------------------------------------------------- PyTorch reference
+
+
+class TorchLayerNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, None, 1e-5)
+
+
+class TorchAttention(nn.Module):
+    def __init__(self, d, n_head, block_size, kind):
+        super().__init__()
+        self.c_attn = nn.Linear(d, 3 * d, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+        self.n_head, self.kind = n_head, kind
+        self.register_buffer("mask", torch.tril(torch.ones(block_size, block_size, dtype=torch.bool)))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.kind == "sdpa":
+            with sdpa_kernel([SDPBackend.MATH]):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # nanoGPT's non-flash path
+            s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            s = s.masked_fill(~self.mask[:t, :t], float("-inf"))
+            # CUDA autocast runs softmax in FP32 (CPU autocast would not): emulate the GPU policy.
+            p = F.softmax(s.float(), dim=-1)
+            y = p @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+
+
+class TorchMLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d, bias=False)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class TorchBlock(nn.Module):
+    def __init__(self, c, kind):
+        super().__init__()
+        self.ln_1 = TorchLayerNorm(c["n_embd"])
+        self.attn = TorchAttention(c["n_embd"], c["n_head"], c["block_size"], kind)
+        self.ln_2 = TorchLayerNorm(c["n_embd"])
+        self.mlp = TorchMLP(c["n_embd"])
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TorchGPT(nn.Module):
+    def __init__(self, c, kind="sdpa"):
+        super().__init__()
+        self.c = c
+        self.wte = nn.Embedding(c["vocab_size"], c["n_embd"])
+        self.wpe = nn.Embedding(c["block_size"], c["n_embd"])
+        self.h = nn.ModuleList([TorchBlock(c, kind) for _ in range(c["n_layer"])])
+        self.ln_f = TorchLayerNorm(c["n_embd"])
+        self.lm_head = nn.Linear(c["n_embd"], c["vocab_size"], bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+
+    def init_nanogpt(self):
+        """nanoGPT's rules: N(0, 0.02) for Linear and Embedding, then 0.02/sqrt(2L) for c_proj."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.c["n_layer"]))
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        blocks = []
+        for block in self.h:
+            x = block(x)
+            blocks.append(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return loss, logits, blocks
+
+
+def load_into_torch(tm: TorchGPT, flat: dict[str, np.ndarray], dtype=torch.float32):
+    """Copy our params (flat JAX names) into the torch module: kernels [in, out] -> weight [out, in]."""
+    t = lambda a: torch.from_numpy(np.array(a, copy=True)).to(dtype)
+    with torch.no_grad():
+        tm.wte.weight.copy_(t(flat["wte.embedding"]))
+        tm.wpe.weight.copy_(t(flat["wpe.embedding"]))
+        tm.ln_f.weight.copy_(t(flat["ln_f.scale"]))
+        for i, blk in enumerate(tm.h):
+            p = f"blocks.{i}."
+            qkv = [flat[p + f"attn.{w}.kernel"] for w in ("wq", "wk", "wv")]
+            blk.attn.c_attn.weight.copy_(t(np.concatenate(qkv, axis=1).T))
+            blk.attn.c_proj.weight.copy_(t(flat[p + "attn.wo.kernel"].T))
+            blk.mlp.c_fc.weight.copy_(t(flat[p + "mlp.fc.kernel"].T))
+            blk.mlp.c_proj.weight.copy_(t(flat[p + "mlp.proj.kernel"].T))
+            blk.ln_1.weight.copy_(t(flat[p + "ln_1.scale"]))
+            blk.ln_2.weight.copy_(t(flat[p + "ln_2.scale"]))
+
+
+def torch_to_flat(tm: TorchGPT, grads: bool = False) -> dict[str, np.ndarray]:
+    """Torch params (or their .grad) in our layout and names (the inverse of load_into_torch)."""
+    g = lambda p: (p.grad if grads else p).detach().double().numpy()
+    d = tm.c["n_embd"]
+    out = {"wte.embedding": g(tm.wte.weight), "wpe.embedding": g(tm.wpe.weight),
+           "ln_f.scale": g(tm.ln_f.weight)}
+    for i, blk in enumerate(tm.h):
+        p = f"blocks.{i}."
+        w = g(blk.attn.c_attn.weight)
+        for j, name in enumerate(("wq", "wk", "wv")):
+            out[p + f"attn.{name}.kernel"] = w[j * d:(j + 1) * d].T
+        out[p + "attn.wo.kernel"] = g(blk.attn.c_proj.weight).T
+        out[p + "mlp.fc.kernel"] = g(blk.mlp.c_fc.weight).T
+        out[p + "mlp.proj.kernel"] = g(blk.mlp.c_proj.weight).T
+        out[p + "ln_1.scale"] = g(blk.ln_1.weight)
+        out[p + "ln_2.scale"] = g(blk.ln_2.weight)
+    return out
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def flatten(tree) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    name = lambda path: ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return {name(p): np.asarray(v) for p, v in leaves}
+
+
+def diff(a, b) -> dict:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    d = np.abs(a - b)
+    return {"rel_max": float(d.max() / max(np.abs(b).max(), 1e-300)),
+            "rel_l2": float(np.linalg.norm(d) / max(np.linalg.norm(b), 1e-300)),
+            "abs_max": float(d.max())}
+
+
+def diff_dicts(ours: dict, theirs: dict) -> dict:
+    per = {k: diff(ours[k], theirs[k]) for k in theirs}
+    worst = max(per, key=lambda k: per[k]["rel_max"])
+    return {"worst": worst, "worst_rel_max": per[worst]["rel_max"],
+            "max_rel_l2": max(v["rel_l2"] for v in per.values()), "per_tensor": per}
+
+
+def batch(rng, vocab, b, t):
+    tok = rng.integers(0, vocab, size=(b, t + 1), dtype=np.int32)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def jax_fwd_bwd(cfg: GPTConfig, flat_params: dict, graphdef_params, x, y):
+    """loss, logits, block outputs and grads of our model on (x, y) with the given params."""
+    graphdef, params = graphdef_params
+
+    def f(params):
+        logits, caps = nnx.merge(graphdef, params)(x, return_intermediates=True)
+        return cross_entropy(logits, y), (logits, [c["resid"] for c in caps])
+
+    (loss, (logits, blocks)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    return float(loss), np.asarray(logits), [np.asarray(b) for b in blocks], flatten(grads)
+
+
+def torch_fwd_bwd(tm: TorchGPT, x, y, autocast: bool = False):
+    tm.zero_grad(set_to_none=True)
+    xt, yt = torch.from_numpy(x).long(), torch.from_numpy(y).long()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss, logits, blocks = tm(xt, yt)
+    loss.backward()
+    to_np = lambda z: z.detach().double().numpy()
+    return float(loss), to_np(logits), [to_np(b) for b in blocks], torch_to_flat(tm, grads=True)
+
+
+def make_jax(mc: dict, seed: int, **kw):
+    cfg = GPTConfig(**mc, **kw)
+    graphdef, params = split_model(GPT(cfg, rngs=nnx.Rngs(seed)))
+    return cfg, graphdef, params
+
+
+def with_params(cfg, params_flat_src, dtype):
+    """(graphdef, params) of a model of ``cfg`` holding the given flat params cast to ``dtype``."""
+    graphdef, params = split_model(GPT(cfg, rngs=nnx.Rngs(0)))
+    names = flatten(params)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    assert list(names) == list(flatten(params))
+    new = [jnp.asarray(params_flat_src[n], dtype) for n in names]
+    return graphdef, jax.tree_util.tree_unflatten(treedef, new)
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def part_a(mc, seed, b, t, fp64=True, extra_kinds=()):
+    """FP32 (and float64) forward/backward parity."""
+    rng = np.random.default_rng(seed + 1)
+    x, y = batch(rng, mc["vocab_size"], b, t)
+    out = {}
+    runs = [("fp32", "float32", torch.float32, "standard")]
+    runs += [(f"fp32_{k}", "float32", torch.float32, k) for k in extra_kinds]
+    if fp64:
+        runs.append(("fp64", "float64", torch.float64, "standard"))
+    _, _, p0 = make_jax(mc, seed, dtype="float32")
+    flat0 = flatten(p0)
+    for name, jdt, tdt, kind in runs:
+        t0 = time.perf_counter()
+        with jax.enable_x64(jdt == "float64"), jax.default_matmul_precision("highest"):
+            cfg = GPTConfig(**mc, dtype=jdt, param_dtype=jdt, attention=kind)
+            gp = with_params(cfg, flat0, jdt)
+            jl, jlog, jblocks, jgrads = jax_fwd_bwd(cfg, flat0, gp, x, y)
+        tm = TorchGPT(mc, "sdpa").to(tdt)
+        load_into_torch(tm, flat0, tdt)
+        tl, tlog, tblocks, tgrads = torch_fwd_bwd(tm, x, y)
+        out[name] = {
+            "jax_attention": kind,
+            "loss_jax": jl, "loss_torch": tl, "loss_rel": abs(jl - tl) / abs(tl),
+            "logits": diff(jlog, tlog),
+            "blocks": [diff(a, c) for a, c in zip(jblocks, tblocks)],
+            "grads": diff_dicts(jgrads, tgrads),
+            "time_s": time.perf_counter() - t0,
+        }
+    return out
+
+
+def part_b(mc, seed, b, t):
+    """BF16 mixed precision: our default dtypes vs torch autocast bf16."""
+    rng = np.random.default_rng(seed + 2)
+    x, y = batch(rng, mc["vocab_size"], b, t)
+    _, _, p0 = make_jax(mc, seed, dtype="float32")
+    flat0 = flatten(p0)
+    # FP32 truth for scale: torch FP32
+    tm32 = TorchGPT(mc, "sdpa")
+    load_into_torch(tm32, flat0)
+    rl, rlog, _, rgrads = torch_fwd_bwd(tm32, x, y)
+    torch_runs = {}
+    for kind in ("sdpa", "manual"):
+        tm = TorchGPT(mc, kind)
+        load_into_torch(tm, flat0)
+        torch_runs[kind] = torch_fwd_bwd(tm, x, y, autocast=True)
+    out = {"fp32_reference_loss": rl,
+           "torch_vs_fp32": {k: {"loss_rel": abs(v[0] - rl) / rl, "logits": diff(v[1], rlog),
+                                 "grads_max_rel_l2": diff_dicts(v[3], rgrads)["max_rel_l2"]}
+                             for k, v in torch_runs.items()}}
+    for ldt in ("float32", "bfloat16"):
+        cfg = GPTConfig(**mc, logits_dtype=ldt)  # default dtypes: bf16 compute, FP32 params
+        gp = with_params(cfg, flat0, "float32")
+        jl, jlog, jblocks, jgrads = jax_fwd_bwd(cfg, flat0, gp, x, y)
+        rec = {"loss_jax": jl, "vs_fp32": {"loss_rel": abs(jl - rl) / rl, "logits": diff(jlog, rlog),
+                                           "grads_max_rel_l2": diff_dicts(jgrads, rgrads)["max_rel_l2"]}}
+        for kind, (tl, tlog, tblocks, tgrads) in torch_runs.items():
+            g = diff_dicts(jgrads, tgrads)
+            rec[f"vs_torch_{kind}"] = {
+                "loss_torch": tl, "loss_rel": abs(jl - tl) / abs(tl), "logits": diff(jlog, tlog),
+                "blocks_rel_l2": [diff(a, c)["rel_l2"] for a, c in zip(jblocks, tblocks)],
+                "grads_worst": g["worst"], "grads_worst_rel_max": g["worst_rel_max"],
+                "grads_max_rel_l2": g["max_rel_l2"],
+                "grads_rel_l2": {k: v["rel_l2"] for k, v in g["per_tensor"].items()},
+            }
+        out[f"jax_logits_{ldt}"] = rec
+    return out
+
+
+def nanogpt_lr(it, lr, warmup, decay, min_lr):
+    """nanoGPT train.py get_lr, verbatim in behaviour."""
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it > decay:
+        return min_lr
+    ratio = (it - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def part_c(mc, seed, b, t, steps=4):
+    """train_step (optax chain of train/gpt2.py) vs torch AdamW + clip_grad_norm_, FP32."""
+    oc = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=6)
+    tc = TrainConfig(model=GPTConfig(**mc, dtype="float32"), optim=oc, max_steps=6, seed=seed)
+    out = {"optim": {k: getattr(oc, k) for k in ("lr", "min_lr", "warmup_steps", "decay_steps", "b1",
+                                                 "b2", "eps", "weight_decay", "clip")}}
+
+    # the schedule over a whole run, and past decay_steps
+    lc = TrainConfig(optim=OptimConfig(lr=6e-4, min_lr=6e-5, warmup_steps=200, decay_steps=5000),
+                     max_steps=5000)
+    sched = lr_schedule(lc)
+    its = np.arange(0, 6000, 7)
+    ours = np.asarray(jax.vmap(sched)(jnp.asarray(its)))
+    ref = np.array([nanogpt_lr(int(i), 6e-4, 200, 5000, 6e-5) for i in its])
+    out["lr_schedule_max_rel"] = float(np.max(np.abs(ours - ref) / ref))
+
+    with jax.default_matmul_precision("highest"):
+        graphdef, params = split_model(GPT(tc.model, rngs=nnx.Rngs(seed)))
+        tx, schedule = make_optimizer(tc)
+        state = init_state(tc, params, tx)
+        step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule))
+        flat0 = flatten(params)
+        tm = TorchGPT(mc, "sdpa")
+        load_into_torch(tm, flat0)
+        opt = torch.optim.AdamW(tm.parameters(), lr=oc.lr, betas=(oc.b1, oc.b2), eps=oc.eps,
+                                weight_decay=oc.weight_decay)
+        rng = np.random.default_rng(seed + 3)
+        recs = []
+        for it in range(steps):
+            x, y = batch(rng, mc["vocab_size"], b, t)
+            state, m = step_fn(state, (x[None], y[None]))
+            lr = nanogpt_lr(it, oc.lr, oc.warmup_steps, oc.decay_steps, oc.min_lr)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            loss, _, _ = tm(torch.from_numpy(x).long(), torch.from_numpy(y).long())
+            loss.backward()
+            gn = float(torch.nn.utils.clip_grad_norm_(tm.parameters(), oc.clip))
+            opt.step()
+            ours, theirs = flatten(state["params"]), torch_to_flat(tm)
+            upd = diff_dicts({k: ours[k] - flat0[k] for k in ours},
+                             {k: theirs[k] - flat0[k] for k in theirs})
+            # elements whose update differs by more than 1% of an lr-sized step (Adam's unit)
+            far = sum(int((np.abs((ours[k] - theirs[k])) > 0.01 * lr).sum()) for k in ours)
+            recs.append({
+                "step": it, "lr_ours": float(m["lr"]), "lr_nanogpt": lr,
+                "loss_ours": float(m["loss"]), "loss_torch": float(loss),
+                "grad_norm_ours": float(m["grad_norm"]), "grad_norm_torch": gn,
+                "params_worst_rel_max": diff_dicts(ours, theirs)["worst_rel_max"],
+                "update_worst": upd["worst"], "update_worst_rel_max": upd["worst_rel_max"],
+                "update_max_rel_l2": upd["max_rel_l2"],
+                "update_abs_max_in_lr_units": max(v["abs_max"] for v in upd["per_tensor"].values()) / lr,
+                "n_elements_off_by_1pct_lr": far,
+            })
+        out["end_to_end"] = recs
+
+        # c2: the optimizer alone, fed the same (torch) gradients
+        x, y = batch(np.random.default_rng(seed + 4), mc["vocab_size"], b, t)
+        graphdef, params = split_model(GPT(tc.model, rngs=nnx.Rngs(seed)))
+        flat0 = flatten(params)
+        tm = TorchGPT(mc, "sdpa")
+        load_into_torch(tm, flat0)
+        opt = torch.optim.AdamW(tm.parameters(), lr=oc.lr, betas=(oc.b1, oc.b2), eps=oc.eps,
+                                weight_decay=oc.weight_decay)
+        opt_state = tx.init(params)
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        names = list(flatten(params))
+        recs = []
+        for it in range(steps):
+            tm.zero_grad(set_to_none=True)
+            loss, _, _ = tm(torch.from_numpy(x).long(), torch.from_numpy(y).long())
+            (loss * (3.0 if it == 0 else 0.3)).backward()  # one step clipped, the rest not
+            tg = torch_to_flat(tm, grads=True)
+            grads = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(tg[n], jnp.float32) for n in names])
+            gn = float(torch.nn.utils.clip_grad_norm_(tm.parameters(), oc.clip))
+            lr = nanogpt_lr(it, oc.lr, oc.warmup_steps, oc.decay_steps, oc.min_lr)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = jax.tree.map(lambda p, u: p + u, params, updates)
+            ours, theirs = flatten(params), torch_to_flat(tm)
+            upd = diff_dicts({k: ours[k] - flat0[k] for k in ours},
+                             {k: theirs[k] - flat0[k] for k in theirs})
+            recs.append({"step": it, "grad_norm": gn, "clipped": gn > oc.clip,
+                         "update_worst_rel_max": upd["worst_rel_max"],
+                         "update_max_rel_l2": upd["max_rel_l2"]})
+        out["same_grads"] = recs
+    return out
+
+
+def part_d(mc, seed):
+    """Per-parameter init std: ours vs nanoGPT's rules (and torch running those rules)."""
+    _, _, params = make_jax(mc, seed)
+    ours = flatten(params)
+    torch.manual_seed(seed)
+    tm = TorchGPT(mc)
+    tm.init_nanogpt()
+    theirs = torch_to_flat(tm)
+    res_std = 0.02 / math.sqrt(2 * mc["n_layer"])
+    rows = {}
+    for k, v in ours.items():
+        if k.endswith(".scale"):
+            expect = None  # LayerNorm weight: all ones
+        elif k.endswith(("attn.wo.kernel", "mlp.proj.kernel")):
+            expect = res_std
+        else:
+            expect = 0.02
+        v = v.astype(np.float64)
+        rows[k] = {
+            "shape": list(v.shape), "expected_std": expect, "std": float(v.std()),
+            "mean": float(v.mean()), "torch_std": float(theirs[k].std()),
+            # 0.27% of an untruncated normal lies beyond 3 sigma; ~0 for a 2-sigma truncated one
+            "frac_beyond_3std": float(np.mean(np.abs(v) > 3 * expect)) if expect else None,
+            "ratio": float(v.std() / expect) if expect else None,
+            "all_ones": bool(np.all(v == 1.0)) if expect is None else None,
+        }
+    # group by parameter kind (over layers) for the summary
+    groups = {}
+    for k, r in rows.items():
+        g = k.split(".", 2)[-1] if k.startswith("blocks.") else k
+        groups.setdefault(g, []).append(r)
+    summary = {}
+    for g, rs in groups.items():
+        e = rs[0]["expected_std"]
+        summary[g] = {"n": len(rs), "expected_std": e,
+                      "std_min": min(r["std"] for r in rs), "std_max": max(r["std"] for r in rs),
+                      "torch_std_mean": float(np.mean([r["torch_std"] for r in rs])),
+                      "frac_beyond_3std": (float(np.mean([r["frac_beyond_3std"] for r in rs]))
+                                           if e else None),
+                      "all_ones": all(r["all_ones"] for r in rs) if e is None else None}
+    return {"by_kind": summary, "per_tensor": rows}
+
+
+def part_ln(seed, d=768, rows=4096):
+    """flax LayerNorm (fast variance) vs torch layer_norm on rows with a common offset, vs float64."""
+    rng = np.random.default_rng(seed + 5)
+    ln = nnx.LayerNorm(d, epsilon=1e-5, use_bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    out = {}
+    for offset in (0.0, 10.0, 100.0, 1000.0):
+        x = (offset + rng.standard_normal((rows, d))).astype(np.float32)
+        x64 = x.astype(np.float64)
+        ref = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+        ours = np.asarray(ln(jnp.asarray(x)))
+        theirs = F.layer_norm(torch.from_numpy(x), (d,), None, None, 1e-5).numpy()
+        out[f"offset_{offset:g}"] = {"flax_vs_fp64": diff(ours, ref), "torch_vs_fp64": diff(theirs, ref)}
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def run_size(label, mc, parts, args):
+    res = {"config": mc, "batch": args.batch, "seq": args.seq or mc["block_size"]}
+    t = args.seq or mc["block_size"]
+    timed = {"a": lambda: part_a(mc, args.seed, args.batch, t, not args.no_fp64, args.extra_attn),
+             "b": lambda: part_b(mc, args.seed, args.batch, t),
+             "c": lambda: part_c(mc, args.seed, args.batch, t),
+             "d": lambda: part_d(mc, args.seed)}
+    for p in parts:
+        if p in timed:
+            t0 = time.perf_counter()
+            res[p] = timed[p]()
+            print(f"[{label}] part {p}: {time.perf_counter() - t0:.1f}s", flush=True)
+    return res
+
+
+def print_summary(results):
+    for label, r in results["sizes"].items():
+        print(f"\n=== {label}: {r['config']} batch {r['batch']} x seq {r['seq']}")
+        for name, a in r.get("a", {}).items():
+            print(f"(a) {name:14s} loss {a['loss_jax']:.7f} vs {a['loss_torch']:.7f} (rel {a['loss_rel']:.1e})"
+                  f"  logits rel_max {a['logits']['rel_max']:.1e}"
+                  f"  blocks rel_max {max(bb['rel_max'] for bb in a['blocks']):.1e}"
+                  f"  grads worst rel_max {a['grads']['worst_rel_max']:.1e} ({a['grads']['worst']})"
+                  f" max rel_l2 {a['grads']['max_rel_l2']:.1e}")
+        b = r.get("b")
+        if b:
+            for k, v in b["torch_vs_fp32"].items():
+                print(f"(b) torch bf16 [{k}] vs torch fp32: loss rel {v['loss_rel']:.1e}, "
+                      f"grads max rel_l2 {v['grads_max_rel_l2']:.1e}")
+            for ldt in ("float32", "bfloat16"):
+                v = b[f"jax_logits_{ldt}"]
+                print(f"(b) jax bf16 logits={ldt} vs torch fp32: loss rel {v['vs_fp32']['loss_rel']:.1e}, "
+                      f"grads max rel_l2 {v['vs_fp32']['grads_max_rel_l2']:.1e}")
+                for kind in ("sdpa", "manual"):
+                    w = v[f"vs_torch_{kind}"]
+                    print(f"    vs torch bf16 [{kind}]: loss rel {w['loss_rel']:.1e}, logits rel_l2 "
+                          f"{w['logits']['rel_l2']:.1e}, grads max rel_l2 {w['grads_max_rel_l2']:.1e}"
+                          f" ({max(w['grads_rel_l2'], key=w['grads_rel_l2'].get)})")
+        c = r.get("c")
+        if c:
+            print(f"(c) lr schedule vs nanoGPT get_lr: max rel {c['lr_schedule_max_rel']:.1e}")
+            for s in c["end_to_end"]:
+                print(f"(c) step {s['step']} lr {s['lr_ours']:.3e}/{s['lr_nanogpt']:.3e} "
+                      f"loss {s['loss_ours']:.6f}/{s['loss_torch']:.6f} gnorm {s['grad_norm_ours']:.4f}/"
+                      f"{s['grad_norm_torch']:.4f}  params rel_max {s['params_worst_rel_max']:.1e}  "
+                      f"update rel_l2 {s['update_max_rel_l2']:.1e} max|d| {s['update_abs_max_in_lr_units']:.1e} lr,"
+                      f" {s['n_elements_off_by_1pct_lr']} elems >1% lr")
+            for s in c["same_grads"]:
+                print(f"(c2) same grads step {s['step']} (gnorm {s['grad_norm']:.3f}, clipped {s['clipped']}):"
+                      f" update rel_max {s['update_worst_rel_max']:.1e} rel_l2 {s['update_max_rel_l2']:.1e}")
+        d = r.get("d")
+        if d:
+            print("(d) kind                 expected   ours std (min..max)      torch std  >3sd")
+            for g, v in d["by_kind"].items():
+                e = f"{v['expected_std']:.5f}" if v["expected_std"] else "ones"
+                tail = (f"{v['frac_beyond_3std']:.4f}" if v["expected_std"] else
+                        f"all_ones={v['all_ones']}")
+                print(f"    {g:20s} {e:>9s}  {v['std_min']:.5f}..{v['std_max']:.5f}  "
+                      f"{v['torch_std_mean']:.5f}  {tail}")
+    if "ln" in results:
+        for k, v in results["ln"].items():
+            print(f"(ln) {k:12s} flax rel_max {v['flax_vs_fp64']['rel_max']:.1e}  "
+                  f"torch rel_max {v['torch_vs_fp64']['rel_max']:.1e}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--parts", default="a,b,c,d,ln")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=None, help="default: block_size")
+    ap.add_argument("--no-fp64", action="store_true", help="skip part a's float64 run")
+    ap.add_argument("--extra-attn", default="", help="more JAX attention kinds for part a (e.g. xla)")
+    ap.add_argument("--gpt2-small", action="store_true", help="also run GPT-2 small sizes")
+    ap.add_argument("--gpt2-parts", default="a,d")
+    ap.add_argument("--gpt2-batch", type=int, default=1)
+    ap.add_argument("--gpt2-seq", type=int, default=256)
+    args = ap.parse_args(argv)
+    args.extra_attn = tuple(k for k in args.extra_attn.split(",") if k)
+    torch.manual_seed(args.seed)
+    parts = args.parts.split(",")
+    results = {
+        "versions": {"jax": jax.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                     "torch_threads": torch.get_num_threads(),
+                     "torch_math_sdp_bf16_reduction": torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp()},
+        "metric": "rel_max = max|ours-torch|/max|torch|; rel_l2 = ||ours-torch||/||torch||",
+        "sizes": {},
+    }
+    results["sizes"]["small"] = run_size("small", SMALL, parts, args)
+    if args.gpt2_small:
+        g = argparse.Namespace(**{**vars(args), "batch": args.gpt2_batch, "seq": args.gpt2_seq})
+        results["sizes"]["gpt2_small"] = run_size("gpt2_small", GPT2_SMALL, args.gpt2_parts.split(","), g)
+    if "ln" in parts:
+        results["ln"] = part_ln(args.seed)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print_summary(results)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
