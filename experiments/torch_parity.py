@@ -223,7 +223,7 @@ def batch(rng, vocab, b, t):
     return tok[:, :-1], tok[:, 1:]
 
 
-def jax_fwd_bwd(cfg: GPTConfig, flat_params: dict, graphdef_params, x, y):
+def jax_fwd_bwd(graphdef_params, x, y):
     """loss, logits, block outputs and grads of our model on (x, y) with the given params."""
     graphdef, params = graphdef_params
 
@@ -254,10 +254,8 @@ def make_jax(mc: dict, seed: int, **kw):
 def with_params(cfg, params_flat_src, dtype):
     """(graphdef, params) of a model of ``cfg`` holding the given flat params cast to ``dtype``."""
     graphdef, params = split_model(GPT(cfg, rngs=nnx.Rngs(0)))
-    names = flatten(params)
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    assert list(names) == list(flatten(params))
-    new = [jnp.asarray(params_flat_src[n], dtype) for n in names]
+    treedef = jax.tree_util.tree_structure(params)
+    new = [jnp.asarray(params_flat_src[n], dtype) for n in flatten(params)]  # same leaf order
     return graphdef, jax.tree_util.tree_unflatten(treedef, new)
 
 
@@ -280,7 +278,7 @@ def part_a(mc, seed, b, t, fp64=True, extra_kinds=()):
         with jax.enable_x64(jdt == "float64"), jax.default_matmul_precision("highest"):
             cfg = GPTConfig(**mc, dtype=jdt, param_dtype=jdt, attention=kind)
             gp = with_params(cfg, flat0, jdt)
-            jl, jlog, jblocks, jgrads = jax_fwd_bwd(cfg, flat0, gp, x, y)
+            jl, jlog, jblocks, jgrads = jax_fwd_bwd(gp, x, y)
         tm = TorchGPT(mc, "sdpa").to(tdt)
         load_into_torch(tm, flat0, tdt)
         tl, tlog, tblocks, tgrads = torch_fwd_bwd(tm, x, y)
@@ -317,7 +315,7 @@ def part_b(mc, seed, b, t):
     for ldt in ("float32", "bfloat16"):
         cfg = GPTConfig(**mc, logits_dtype=ldt)  # default dtypes: bf16 compute, FP32 params
         gp = with_params(cfg, flat0, "float32")
-        jl, jlog, jblocks, jgrads = jax_fwd_bwd(cfg, flat0, gp, x, y)
+        jl, jlog, jblocks, jgrads = jax_fwd_bwd(gp, x, y)
         rec = {"loss_jax": jl, "vs_fp32": {"loss_rel": abs(jl - rl) / rl, "logits": diff(jlog, rlog),
                                            "grads_max_rel_l2": diff_dicts(jgrads, rgrads)["max_rel_l2"]}}
         for kind, (tl, tlog, tblocks, tgrads) in torch_runs.items():
@@ -580,7 +578,7 @@ def main(argv=None):
     results = {
         "versions": {"jax": jax.__version__, "torch": torch.__version__, "python": platform.python_version(),
                      "torch_threads": torch.get_num_threads(),
-                     "torch_math_sdp_bf16_reduction": torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp()},
+                     "torch_math_sdp_bf16_reduction": torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()},
         "metric": "rel_max = max|ours-torch|/max|torch|; rel_l2 = ||ours-torch||/||torch||",
         "sizes": {},
     }
