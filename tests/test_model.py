@@ -289,3 +289,16 @@ def test_bf16_logits_option_rounds_like_autocast():
     assert f32.dtype == b16.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(b16), np.asarray(f32.astype(jnp.bfloat16), np.float32))
     assert np.any(np.asarray(b16) != np.asarray(f32))
+
+
+def test_layer_norm_keeps_digits_when_features_share_a_large_offset(rng):
+    # torch.nn.LayerNorm's two-pass variance; the one-pass E[x²] − E[x]² is off by ~1e-3 at offset 100
+    d = 768
+    ln = gpt2._layer_norm(d, jnp.float32, nnx.Rngs(0))
+    # tolerances: a few FP32 ulps of the mean's sum (one-pass: 1e-3 at 100, 0.1 at 1000)
+    for offset, tol in ((0.0, 1e-5), (100.0, 5e-5), (1000.0, 1e-3)):
+        x = (rng.standard_normal((256, d)) + offset).astype(np.float32)
+        x64 = x.astype(np.float64)
+        want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+        got = np.asarray(ln(jnp.asarray(x)), np.float64)
+        assert np.abs(got - want).max() < tol, offset
