@@ -182,9 +182,8 @@ def _attention_bwd(cfg, impl, res, do):
     dop, op = _pad(do, cfg.block_q), _pad(o_res, cfg.block_q)
     ex = pallas if impl == "pallas" else jnp_impl
     dlt = ex.delta(qp, kp, vp, op, dop, lse, cfg)
-    dq, dk, dv = ex.backward(qp, kp, vp, dop, lse, dlt, cfg)
-    return (dq[:, : cfg.q_len].astype(q.dtype), dk[:, : cfg.kv_len].astype(k.dtype),
-            dv[:, : cfg.kv_len].astype(v.dtype))
+    dq, dk, dv = ex.backward(qp, kp, vp, dop, lse, dlt, cfg, out_dtype=q.dtype)  # q, k, v: one dtype
+    return dq[:, : cfg.q_len], dk[:, : cfg.kv_len], dv[:, : cfg.kv_len]
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -115,8 +115,9 @@ def delta(q, k, v, o, do, lse, cfg: Config):
     return out.reshape(bsz, h, nq * bq)
 
 
-def backward(q, k, v, do, lse, dlt, cfg: Config):
-    """(dQ, dK, dV) in FP32, ``[B, T, H, D]``; the sm_scale is applied here."""
+def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
+    """(dQ, dK, dV) ``[B, T, H, D]``, accumulated in FP32 and rounded once to ``out_dtype``; the
+    sm_scale is applied here."""
     bq, bk = cfg.block_q, cfg.block_k
     qb, kb, vb, dob = _inputs(q, k, v, do, cfg)
     lb, db = _rows(lse, bq), _rows(dlt, bq)
@@ -153,4 +154,5 @@ def backward(q, k, v, do, lse, dlt, cfg: Config):
 
     dq = lax.fori_loop(0, nk, q_body, jnp.zeros((bsz, h, nq, bq, d), jnp.float32))
     scale = cfg.sm_scale
-    return _unblocks(dq) * scale, _unblocks(dk) * scale, _unblocks(dv)
+    return tuple((g * s).astype(out_dtype)
+                 for g, s in ((_unblocks(dq), scale), (_unblocks(dk), scale), (_unblocks(dv), 1.0)))

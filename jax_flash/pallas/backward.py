@@ -124,21 +124,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def backward(q, k, v, do, lse, dlt, cfg: Config):
-    """(dQ, dK, dV) in FP32, ``[B, T, H, D]``."""
+def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
+    """(dQ, dK, dV) ``[B, T, H, D]``, accumulated in FP32 and rounded once to ``out_dtype`` as the
+    kernels write them (writing bf16 directly saves an FP32 round trip through memory)."""
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk = tq // bq, tk // bk
     params = compiler_params(cfg.bwd_launch, d, bq, bk)
-    f32 = jnp.float32
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, nq=nq),
         grid=(bsz, h, nk),
         in_specs=[_full_spec(tq, d), _block_spec(bk, d), _block_spec(bk, d), _full_spec(tq, d),
                   _full_rows_spec(tq), _full_rows_spec(tq)],
         out_specs=[_block_spec(bk, d), _block_spec(bk, d)],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, f32), jax.ShapeDtypeStruct(v.shape, f32)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, out_dtype), jax.ShapeDtypeStruct(v.shape, out_dtype)],
         interpret=interpret_mode(),
         compiler_params=params,
         name=_name("dkdv", cfg),
@@ -149,7 +149,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Config):
         in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
                   _row_spec(bq), _row_spec(bq)],
         out_specs=_block_spec(bq, d),
-        out_shape=jax.ShapeDtypeStruct(q.shape, f32),
+        out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
         interpret=interpret_mode(),
         compiler_params=params,
         name=_name("dq", cfg),
