@@ -58,6 +58,8 @@ def test_probe_compares_every_layer_at_the_chosen_steps(tmp_path):
     assert probe(2, model, None) == {}
     m = probe(3, model, None)
     assert {k.rsplit("/", 1)[1] for k in m} == {"L0", "L1"}
+    fn = probe._tensors
+    assert probe(3, model, None).keys() == m.keys() and probe._tensors is fn  # compiled once
     for l in (0, 1):
         assert m[f"tcmp/o_bitwise_eq/L{l}"] > 0.99  # the two executors agree to ≤ 1 ulp
         for g in ("dq", "dk", "dv"):
