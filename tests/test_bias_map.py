@@ -129,8 +129,16 @@ def test_kernel_runner_is_jax_flash_attention(rng, policy):
     # XLA:CPU may order an FP32 dot differently for a 1-row and a 16-row query block. Round-to-nearest
     # hides such last-bit FP32 differences except near halfway points; the SR dither hashes all 32 bits,
     # so there any FP32 difference re-draws the rounding (still one of the same two BF16 neighbours).
-    assert np.mean(out["o_out"] == o) > (0.8 if policy.endswith("_sr") else 0.99)
-    np.testing.assert_allclose(out["o_out"], o, rtol=2**-6, atol=0)  # ≤ 2 BF16 ulps
+    # Near-halfway cases come per row: under the stable shift the tied P̄ < 1 is rounded to BF16 for
+    # P̄·V but summed in FP32 into ℓ, so one FP32 ulp that flips bf16(P̄) moves the whole row's O by
+    # 2⁻⁹ relative (seen: 1 row of 64, 48 of its 64 outputs). Hence the check on whole rows.
+    if policy.endswith("_sr"):
+        assert np.mean(out["o_out"] == o) > 0.8
+    else:
+        assert np.mean(np.all(out["o_out"] == o, axis=1)) > 0.95  # ≥ 61 of 64 rows bitwise equal
+    # ≤ 2 BF16 ulps; "paper_sr" rounds stochastically up to 4 times per tile (P̄V, acc·α, acc + P̄V, O),
+    # and a re-drawn dither can move each by an ulp (seen: 3 ulps in 1 of ~30 runs): ≤ 4 ulps there
+    np.testing.assert_allclose(out["o_out"], o, rtol=2**-5 if policy == "paper_sr" else 2**-6, atol=0)
 
 
 def test_fp32_policy_has_only_the_final_rounding_bias(rng):
