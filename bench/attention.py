@@ -3,6 +3,7 @@ PyTorch's flash kernel, plus compiled memory footprints.
 
     python -m bench.attention [--shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128] [--reps 30]
         [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md docs/BENCHMARKS.md]
+    python -m bench.attention --from-json bench/results/FILE.json --md docs/BENCHMARKS.md   # re-render
 
 Method (../shared/ANCHORS.md): bf16, median of ``--reps`` timed runs after warm-up, all impls in one
 process; FLOPs = 4·B·H·T²·D non-causal, half that causal; fwd+bwd counted as 3.5× fwd. Records:
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
+import os
 import time
 
 import jax
@@ -176,6 +179,44 @@ def markdown(records, mem=()):
     return "\n".join(lines) + "\n"
 
 
+def _ms(records, shape, causal, pss, impl, policy=None, stable=None):
+    for r in records:
+        if (tuple(r["shape"]), r["causal"], r["pass"], r["impl"]) == (shape, causal, pss, impl) and (
+                impl != "jax_flash" or (r["policy"], r["stable"]) == (policy, stable)):
+            return r["ms"]
+    return None
+
+
+def targets(records):
+    """Issue 6's targets as ratios within this run, per shape (causal): "fa2" fwd+bwd speed over cuDNN's
+    and over JAX's Pallas mha, and the stable kernel's extra time over the baseline (fwd+bwd, fwd)."""
+    lines = ["\n### Targets (ratios within this run; speed ratio = other's ms / ours)",
+             "| shape | fa2 vs cuDNN, fwd+bwd | fa2 vs Pallas mha, fwd+bwd | stable extra time, fwd+bwd "
+             "| stable extra time, fwd | fa2 vs PyTorch FA2, fwd+bwd |", "|---|---|---|---|---|---|"]
+    fmt_x = lambda a, b: f"{a / b:.2f}×" if a and b else "—"
+    fmt_pct = lambda a, b: f"{100 * (a / b - 1):+.1f} %" if a and b else "—"
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in records if r["causal"]):
+        ms = functools.partial(_ms, records, shape, True)
+        fa2 = ms("fwd+bwd", "jax_flash", "fa2", False)
+        lines.append("| " + " | ".join([
+            "×".join(map(str, shape)),
+            fmt_x(ms("fwd+bwd", "cudnn"), fa2),
+            fmt_x(ms("fwd+bwd", "jax_pallas_mha"), fa2),
+            fmt_pct(ms("fwd+bwd", "jax_flash", "fa2", True), fa2),
+            fmt_pct(ms("fwd", "jax_flash", "fa2", True), ms("fwd", "jax_flash", "fa2", False)),
+            fmt_x(ms("fwd+bwd", "torch_flash"), fa2)]) + " |")
+    lines.append("\nTargets: ≥ 1.0× cuDNN at 32×1024×12×64 and ≥ 0.75× at 4×8192×16×128; ≥ 1.3× Pallas "
+                 "mha; stable ≤ +3 %.")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path, records, mem, source, device, version, date):
+    with open(path, "w") as f:
+        f.write(f"# Attention benchmarks\n\n`python -m bench.attention` on {device}, jax {version}, "
+                f"{date} (`{source}`).\n" + markdown(records, mem) + targets(records))
+    print("wrote", path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="32x1024x12x64,8x2048x16x128,4x8192x16x128")
@@ -184,7 +225,17 @@ def main(argv=None):
     ap.add_argument("--memory-lengths", default="8192,16384", help="'' to skip")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")
+    ap.add_argument("--from-json", default=None,
+                    help="re-render --md from a results file (and its -memory.json) without timing")
     args = ap.parse_args(argv)
+    if args.from_json:
+        records = json.load(open(args.from_json))
+        mem_path = args.from_json.replace(".json", "-memory.json")
+        mem = json.load(open(mem_path)) if os.path.exists(mem_path) else []
+        r0 = records[0]
+        write_markdown(args.md, records, mem, args.from_json, r0["device"].replace(" ", "_"),
+                       r0["jax_version"], os.path.basename(args.from_json)[:10])
+        return
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     modes = (True, False) if args.non_causal else (True,)
     records = run(shapes, args.reps, modes)
@@ -197,10 +248,7 @@ def main(argv=None):
         json.dump(mem, f, indent=1)
     print("wrote", out, "and its -memory.json")
     if args.md:
-        with open(args.md, "w") as f:
-            f.write(f"# Attention benchmarks\n\n`python -m bench.attention` on {device}, jax "
-                    f"{jax.__version__}, {datetime.date.today()} (`{out}`).\n" + markdown(records, mem))
-        print("wrote", args.md)
+        write_markdown(args.md, records, mem, out, device, jax.__version__, datetime.date.today())
 
 
 if __name__ == "__main__":

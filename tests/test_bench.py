@@ -59,3 +59,23 @@ def test_tuning_table_reaches_the_kernel_config(monkeypatch):
     assert impl == "pallas" and (cfg.block_q, cfg.block_k) == (128, 32)
     assert cfg.fwd_launch == (8, 3) and cfg.bwd_launch == (4, 2)
     assert user.block_k == 64
+
+
+def test_targets_table_from_records(tmp_path):
+    """The ratio table is computed from the records (hand-made here), and --from-json re-renders it."""
+    import json
+
+    def rec(impl, pss, ms, policy=None, stable=None, shape=(32, 1024, 12, 64)):
+        return dict(impl=impl, policy=policy, stable=stable, shape=list(shape), causal=True,
+                    **{"pass": pss}, ms=ms, tflops=1.0, jax_version="x", device="Test GPU")
+
+    recs = [rec("jax_flash", "fwd+bwd", 2.0, "fa2", False), rec("jax_flash", "fwd+bwd", 2.1, "fa2", True),
+            rec("jax_flash", "fwd", 1.0, "fa2", False), rec("jax_flash", "fwd", 1.5, "fa2", True),
+            rec("cudnn", "fwd+bwd", 1.6), rec("jax_pallas_mha", "fwd+bwd", 3.0)]
+    table = bench.targets(recs)
+    assert "| 32×1024×12×64 | 0.80× | 1.50× | +5.0 % | +50.0 % | — |" in table
+    path = tmp_path / "2026-01-02-Test_GPU.json"
+    path.write_text(json.dumps(recs))
+    bench.main(["--from-json", str(path), "--md", str(tmp_path / "B.md")])
+    md = (tmp_path / "B.md").read_text()
+    assert "| 32×1024×12×64 | 0.80× | 1.50× |" in md and "jax x, 2026-01-02" in md
