@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduction arms one after the other on one H200 (sequential runs are faster than concurrent
-# ones: docs/REPRODUCTION.md). Runs live on the machine's disk ($RUNS, checkpoint every 500 steps,
-# resumed when the same ARM:SEED comes again), so a run longer than one 10-minute command continues
+# ones: docs/REPRODUCTION.md). Runs live on the machine's disk ($RUNS, a checkpoint every CKPT_EVERY
+# = 1000 steps, resumed when the same ARM:SEED comes again), so a run longer than one command continues
 # in the next command while the machine stays warm. Metrics, config and log of each run are copied to
 # $OUT/repro/<arm>-s<seed>/ after every command.
 # Usage: bash experiments/gpu/repro_seq.sh LIMIT_S ARM:SEED:STEPS [ARM:SEED:STEPS ...]
@@ -20,7 +20,7 @@ for spec in "$@"; do
   name="$arm-s$seed"
   timeout "$LIMIT" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
     --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
-    --checkpoint-every 500 --resume true >> "$RUNS/$name.log" 2>&1
+    --checkpoint-every "${CKPT_EVERY:-1000}" --resume true >> "$RUNS/$name.log" 2>&1
   echo "$name: exit $?"; tail -3 "$RUNS/$name.log"
   mkdir -p "$OUT/repro/$name"
   cp "$RUNS/$name.log" "$OUT/repro/$name/run.log"
