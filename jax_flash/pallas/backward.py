@@ -22,20 +22,22 @@ from .common import compiler_params, interpret_mode
 from .forward import _num_kv_tiles
 
 
+# Grids are (block, batch, head): the block index varies fastest, so the programs running at once
+# mostly share one (batch, head) and its full-length operands stay in L2 (as in JAX's Pallas mha).
 def _row_spec(b_rows):
-    return pl.BlockSpec((None, None, b_rows), lambda b, hh, i: (b, hh, i))
+    return pl.BlockSpec((None, None, b_rows), lambda i, b, hh: (b, hh, i))
 
 
 def _full_rows_spec(t):
-    return pl.BlockSpec((None, None, t), lambda b, hh, i: (b, hh, 0))
+    return pl.BlockSpec((None, None, t), lambda i, b, hh: (b, hh, 0))
 
 
 def _block_spec(b_rows, d):
-    return pl.BlockSpec((None, b_rows, None, d), lambda b, hh, i: (b, i, hh, 0))
+    return pl.BlockSpec((None, b_rows, None, d), lambda i, b, hh: (b, i, hh, 0))
 
 
 def _full_spec(t, d):
-    return pl.BlockSpec((None, t, None, d), lambda b, hh, i: (b, 0, hh, 0))
+    return pl.BlockSpec((None, t, None, d), lambda i, b, hh: (b, 0, hh, 0))
 
 
 def _name(kind, cfg):
@@ -45,7 +47,7 @@ def _name(kind, cfg):
 # ------------------------------------------------------------------------------------------------ δ
 def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Config, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
-    i = pl.program_id(2)
+    i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
     do = do_ref[...].astype(pol.operand_dtype)
     lse = lse_ref[...]
@@ -71,7 +73,7 @@ def delta(q, k, v, o, do, lse, cfg: Config):
     bq, bk = cfg.block_q, cfg.block_k
     return pl.pallas_call(
         functools.partial(_delta_kernel, cfg=cfg, nk=tk // bk),
-        grid=(bsz, h, tq // bq),
+        grid=(tq // bq, bsz, h),
         in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
                   _row_spec(bq)],
         out_specs=_row_spec(bq),
@@ -86,7 +88,7 @@ def delta(q, k, v, o, do, lse, cfg: Config):
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: Config,
                  nq: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
-    j = pl.program_id(2)
+    j = pl.program_id(0)
     k = k_ref[...].astype(pol.operand_dtype)
     v = v_ref[...].astype(pol.operand_dtype)
     d = k.shape[-1]
@@ -109,7 +111,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 # ---------------------------------------------------------------------------------------------- dQ
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: Config, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
-    i = pl.program_id(2)
+    i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
     do = do_ref[...].astype(pol.operand_dtype)
     lse, dlt = lse_ref[...], delta_ref[...]
@@ -134,7 +136,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
     params = compiler_params(cfg.bwd_launch, d, bq, bk, backward=True)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, nq=nq),
-        grid=(bsz, h, nk),
+        grid=(nk, bsz, h),
         in_specs=[_full_spec(tq, d), _block_spec(bk, d), _block_spec(bk, d), _full_spec(tq, d),
                   _full_rows_spec(tq), _full_rows_spec(tq)],
         out_specs=[_block_spec(bk, d), _block_spec(bk, d)],
@@ -145,7 +147,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
     )(q, k, v, do, lse, dlt)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, nk=nk),
-        grid=(bsz, h, nq),
+        grid=(nq, bsz, h),
         in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
                   _row_spec(bq), _row_spec(bq)],
         out_specs=_block_spec(bq, d),

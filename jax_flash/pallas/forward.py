@@ -1,6 +1,6 @@
 """Executor 2, forward: a Pallas kernel whose body is ``tile.forward_tile`` in a loop over key tiles.
 
-Grid (batch, head, query block); each program keeps (m, ℓ, acc) for one query block and walks the key
+Grid (query block, batch, head); each program keeps (m, ℓ, acc) for one query block and walks the key
 tiles in order, stopping at the causal diagonal (fully masked tiles are skipped). Triton backend on
 GPU, interpret mode on CPU. Inputs arrive padded to whole blocks in the layout ``[B, T, H, D]``.
 """
@@ -28,7 +28,7 @@ def _num_kv_tiles(i, cfg: Config, nk: int):
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
-    i = pl.program_id(2)
+    i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
     d = q.shape[-1]
 
@@ -51,13 +51,15 @@ def forward(q, k, v, cfg: Config, *, o_dtype):
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk = tq // bq, tk // bk
     kernel = functools.partial(_forward_kernel, cfg=cfg, nk=nk)
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda b, hh, i: (b, i, hh, 0))
-    kv_spec = pl.BlockSpec((None, tk, None, d), lambda b, hh, i: (b, 0, hh, 0))
+    # grid (query block, batch, head): the query block varies fastest, so the programs in flight
+    # mostly read one (batch, head)'s K and V, which then stay in L2 (as in JAX's Pallas mha)
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b, hh: (b, i, hh, 0))
+    kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, b, hh: (b, 0, hh, 0))
     return pl.pallas_call(
         kernel,
-        grid=(bsz, h, nq),
+        grid=(nq, bsz, h),
         in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda b, hh, i: (b, hh, i))],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, hh: (b, hh, i))],
         out_shape=[jax.ShapeDtypeStruct((bsz, tq, h, d), o_dtype),
                    jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32)],
         interpret=interpret_mode(),
