@@ -73,6 +73,13 @@ def series(recs, key):
     return np.asarray(s), np.asarray(v, float)
 
 
+def running_sum(recs, key):
+    """(steps, cumulative sum) of ``key`` over the records — rebuilt from the per-probe values, so a
+    run resumed from a checkpoint (whose probe restarts its own running sum) still adds up."""
+    s, v = series(recs, key)
+    return s, np.cumsum(v)
+
+
 def _indices(recs, pattern):
     """Sorted ints captured by ``pattern`` (one group) over all keys of all records."""
     rx = re.compile(pattern)
@@ -104,7 +111,7 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None) -> Path
             s, v = series(recs, f"wq_norm/{tag}/H{h}")
             ax_f3.plot(s, v, ls, color=cmap(h % 20), lw=1.2, label=f"H{h}" if i == 0 else None)
         # Figure 5a: cumulative delta error of the chosen layer
-        s, v = series(recs, f"delta_err_cum/{tag}")
+        s, v = running_sum(recs, f"delta_err/{tag}")
         ax_f5.plot(s, v, ls, color=col, lw=1.2, label=lab)
         # Figure 9: spectral norm by layer, max over heads (colour = layer, style = run)
         layers = _indices(recs, r"wq_norm_max/L(\d+)")

@@ -315,6 +315,17 @@ def test_probes_write_finite_metrics_in_training(probed_run):
     assert [m["step"] for m in ms] == list(range(1, 7))
 
 
+def test_running_sum_survives_a_resume():
+    # a resumed run: the probe's own running sum restarted at step 6; the rebuilt one does not
+    recs = [{"step": 2, "delta_err/L1": 1.0, "delta_err_cum/L1": 1.0},
+            {"step": 3, "loss": 2.0},
+            {"step": 4, "delta_err/L1": -0.5, "delta_err_cum/L1": 0.5},
+            {"step": 6, "delta_err/L1": 2.0, "delta_err_cum/L1": 2.0}]
+    s, v = plot_run.running_sum(recs, "delta_err/L1")
+    np.testing.assert_array_equal(s, [2, 4, 6])
+    np.testing.assert_allclose(v, [1.0, 0.5, 2.5])
+
+
 def test_plot_run_makes_a_png(probed_run, tmp_path):
     run, _, _ = probed_run
     cfg = json.loads((run / "config.json").read_text())
