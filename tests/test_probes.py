@@ -115,6 +115,9 @@ def test_rounded_score_ties_count_near_ties_that_fp32_separates(rng):
     # a near-tied dominant pair: scores ≈ 20 and 20 + 0.01, apart in FP32 (and in the fa2 test,
     # 0.01 > 0.002) but one bf16 value (spacing 0.125 at 20)
     q[:, :, :, :2], q[:, :, :, 2:] = (4.0, 1.0), 0.0  # S = (4·k₀ + k₁)/4
+    # the other keys: random, but ≥ 0.37 apart in S (no accidental bf16 ties below the pair)
+    k[..., 0] = _bf16(-0.37 * rng.permutation(t))[None, :, None]
+    k[..., 1] = 0.0
     k[:, 5, :, :2], k[:, 5, :, 2:] = (20.0, 0.0), 0.0
     k[:, 9, :, :2], k[:, 9, :, 2:] = (20.0, _bf16(0.04)), 0.0
     q, k = jnp.asarray(q, BF16), jnp.asarray(k, BF16)
@@ -249,6 +252,13 @@ def _check_cotangent_and_planted_delta_error(rng):
         m1["delta_err/L1"], want[:, :2].sum(), rtol=1e-3, atol=1e-3 * np.abs(want).sum()
     )
     assert m1["o_err/L1"] == pytest.approx(EPS / 2, rel=1e-3)  # half the heads carry +EPS
+    # the first (cold-start) call already has the spectral norms: it iterates cold_iters times
+    for l in (0, 1):
+        w = np.asarray(G.per_head_weights(params, l, 4, "wq"), np.float64)
+        sv = np.linalg.svd(w, compute_uv=False)
+        gapped = sv[:, 1] / sv[:, 0] < 0.97
+        got = np.array([m1[f"wq_norm/L{l}/H{h}"] for h in range(4)])
+        np.testing.assert_allclose(got[gapped], sv[gapped, 0], rtol=1e-4)
     assert probe.n_traces == 1
     # max logit: brute force on the captured q, k
     q, k = (np.asarray(layers[1][n], np.float64) for n in "qk")

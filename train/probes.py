@@ -194,12 +194,15 @@ class CausalChainProbe:
     """All per-layer / per-head metrics of the module docstring in one jitted call.
 
     n_seq: probe sequences taken from the front of the batch (caps the cost).
-    power_iters: power-iteration steps per call (warm-started, so the estimate keeps improving).
+    power_iters: power-iteration steps per call (warm-started, so the estimate keeps improving);
+        the first call of a probe (a new run, or a resumed one) starts cold and runs ``cold_iters``.
     per_head: also emit the per-head variants of max_logit, tie_frac and delta_err(_cum).
     """
 
-    def __init__(self, n_seq: int = 4, power_iters: int = 16, per_head: bool = True):
+    def __init__(self, n_seq: int = 4, power_iters: int = 16, per_head: bool = True,
+                 cold_iters: int = 256):
         self.n_seq, self.power_iters, self.per_head = n_seq, power_iters, per_head
+        self.cold_iters = cold_iters
         self._fn = None
         self._graphdef = None
         self._v = None  # (vq, vk) [L, H, hd] warm-start vectors
@@ -208,15 +211,15 @@ class CausalChainProbe:
         self.calls = 0
 
     # -- jitted body
-    def _compute(self, graphdef, params, x, y, vq, vk):
+    def _compute(self, graphdef, params, x, y, vq, vk, n_iter):
         self.n_traces += 1  # Python side effect: runs once per trace
         model = nnx.merge(graphdef, params)
         mcfg = model.config
         L, H = mcfg.n_layer, mcfg.n_head
         wq = jnp.stack([G.per_head_weights(params, l, H, "wq") for l in range(L)])
         wk = jnp.stack([G.per_head_weights(params, l, H, "wk") for l in range(L)])
-        sq, vq = D.power_iteration(wq, vq, self.power_iters)
-        sk, vk = D.power_iteration(wk, vk, self.power_iters)
+        sq, vq = D.power_iteration(wq, vq, n_iter)  # n_iter traced: the cold call does not retrace
+        sk, vk = D.power_iteration(wk, vk, n_iter)
 
         loss, layers = chain_tensors(model, x, y)
         per = {k: [] for k in ("max_logit", "tie_frac", "delta_err", "delta_err_abs") + _LAYER_SCALARS}
@@ -262,6 +265,7 @@ class CausalChainProbe:
             np.asarray(jax.random.normal(key_k, shape)),
         )
         self.cum = {"layer": np.zeros(mcfg.n_layer), "head": np.zeros((mcfg.n_layer, mcfg.n_head))}
+        self._cold = True  # start vectors are random: the first call iterates longer
 
     def __call__(self, step, model, batch) -> dict:
         t0 = time.perf_counter()
@@ -273,7 +277,9 @@ class CausalChainProbe:
         n = min(self.n_seq, x.shape[0])
         x = jnp.asarray(np.asarray(x)[:n], jnp.int32)
         y = jnp.asarray(np.asarray(y)[:n], jnp.int32)
-        out, v = self._fn(params, x, y, *self._v)
+        n_iter = self.cold_iters if self._cold else self.power_iters
+        out, v = self._fn(params, x, y, *self._v, jnp.int32(n_iter))
+        self._cold = False
         # host copies: the same (unsharded numpy) input types on every call, so no retracing
         out, self._v = jax.device_get((out, v))
         self.calls += 1
