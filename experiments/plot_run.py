@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from train.gpt2 import read_metrics  # noqa: E402
 
 STYLES = ["-", "--", ":", "-."]
+SMOOTH = 25  # steps in the loss panel's running mean
 
 
 def read_run(run_dir) -> tuple[list[dict], dict]:
@@ -87,7 +88,16 @@ def _indices(recs, pattern):
     return sorted(found)
 
 
-def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None) -> Path:
+def top_heads(recs, tag, n):
+    """The ``n`` heads of layer ``tag`` with the largest ‖W_Q‖₂ at the last probe (all if n is None)."""
+    heads = _indices(recs, rf"wq_norm/{tag}/H(\d+)")
+    if n is None or not heads:
+        return heads
+    last = [r for r in recs if f"wq_norm/{tag}/H{heads[0]}" in r][-1]
+    return sorted(sorted(heads, key=lambda h: -last[f"wq_norm/{tag}/H{h}"])[:n])
+
+
+def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None, n_heads=None) -> Path:
     runs = [read_run(d) for d in run_dirs]
     labels = list(labels) if labels else [run_label(cfg, d) for (_, cfg), d in zip(runs, run_dirs)]
     if len(set(labels)) < len(labels):  # disambiguate identical configs by directory name
@@ -97,19 +107,23 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None) -> Path
     run_colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     cmap = plt.get_cmap("tab20")
     tag = f"L{layer}"
+    shown = set()  # heads already in the Fig. 3 legend
 
     for i, ((recs, _), lab) in enumerate(zip(runs, labels)):
         ls, col = STYLES[i % len(STYLES)], run_colors[i % len(run_colors)]
         s, v = series(recs, "loss")
+        if len(v) > 2 * SMOOTH:  # per-step losses are noisy: a running mean keeps runs apart
+            v = np.convolve(v, np.ones(SMOOTH) / SMOOTH, mode="valid")
+            s = s[SMOOTH - 1:]
         ax_loss.plot(s, v, ls, color=col, lw=1, label=lab)
         s, v = series(recs, "val_loss")
         if len(s):
             ax_loss.plot(s, v, "o", color=col, ms=3)
         # Figure 3: per-head ||W_Q||_2 of the chosen layer (colour = head, style = run)
-        heads = _indices(recs, rf"wq_norm/{tag}/H(\d+)")
-        for h in heads:
+        for h in top_heads(recs, tag, n_heads):
             s, v = series(recs, f"wq_norm/{tag}/H{h}")
-            ax_f3.plot(s, v, ls, color=cmap(h % 20), lw=1.2, label=f"H{h}" if i == 0 else None)
+            ax_f3.plot(s, v, ls, color=cmap(h % 20), lw=1.2, label=f"H{h}" if h not in shown else None)
+            shown.add(h)
         # Figure 5a: cumulative delta error of the chosen layer
         s, v = running_sum(recs, f"delta_err/{tag}")
         ax_f5.plot(s, v, ls, color=col, lw=1.2, label=lab)
@@ -122,10 +136,15 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None) -> Path
         ax_logit.plot(s, v, ls, color=col, lw=1.2, label=lab)
         s, v = series(recs, f"tie_frac/{tag}")
         ax_tie.plot(s, 100 * v, ls, color=col, lw=1.2, label=lab)
+        s, v = series(recs, f"tie_frac_bf16s/{tag}")  # ties among bf16-rounded scores
+        if len(s):
+            ax_tie.plot(s, 100 * v, ls, color=col, lw=0.8, marker="o", ms=3)
 
-    ax_loss.set(title="training loss (dots: val)", xlabel="step", ylabel="loss")
+    ax_loss.set(title=f"training loss, running mean of {SMOOTH} (dots: val)", xlabel="step",
+                ylabel="loss", ylim=(None, 6))
     ax_f3.set(
-        title=f"Fig. 3: per-head ‖W_Q‖₂, layer {layer} (0-based)",
+        title=f"Fig. 3: per-head ‖W_Q‖₂, layer {layer} (0-based)"
+        + (f", top {n_heads} heads per run" if n_heads else ""),
         xlabel="step",
         ylabel="spectral norm",
     )
@@ -136,8 +155,10 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None) -> Path
     )
     ax_f5.axhline(0, color="k", lw=0.5)
     ax_f9.set(title="Fig. 9: max-head ‖W_Q‖₂ by layer", xlabel="step", ylabel="spectral norm")
-    ax_logit.set(title=f"max attention logit, layer {layer}", xlabel="step", ylabel="max S")
-    ax_tie.set(title=f"rows with a tied max, layer {layer}", xlabel="step", ylabel="% of rows")
+    ax_logit.set(title=f"max attention logit, layer {layer}", xlabel="step", ylabel="max S",
+                 yscale="log")  # a runaway spans decades
+    ax_tie.set(title=f"rows with a tied max, layer {layer} (dots: on bf16-rounded S)",
+               xlabel="step", ylabel="% of rows")
     for ax in axes.ravel():
         ax.grid(alpha=0.3)
     ax_loss.legend(fontsize=7)
@@ -173,10 +194,13 @@ def main(argv=None):
         "--labels", nargs="*", default=None, help="one label per run (default: from config)"
     )
     ap.add_argument("--title", default=None)
+    ap.add_argument("--heads", type=int, default=None,
+                    help="Fig. 3: only each run's N heads with the largest final ‖W_Q‖₂")
     args = ap.parse_args(argv)
     if args.labels and len(args.labels) != len(args.runs):
         ap.error("--labels needs one label per run")
-    print(plot_runs(args.runs, args.out, layer=args.layer, labels=args.labels, title=args.title))
+    print(plot_runs(args.runs, args.out, layer=args.layer, labels=args.labels, title=args.title,
+                         n_heads=args.heads))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The layer-2 runaway in JAX (MEASURED.md's cheap setting): run arms, then tabulate them.
 
     python -m experiments.reproduce run --arm fa2 --seed 0 --steps 3000 --out results/repro
-    python -m experiments.reproduce table results/repro [--md docs/REPRODUCTION_TABLE.md]
+    python -m experiments.reproduce table results/repro [--md results/repro/table.md]
 
 Configuration: the small-gpu preset (GPT-2 small, 32×1024 tokens/step, AdamW (0.9, 0.95), wd 0,
 clip 1, lr 1e-3 with 500 warmup then cosine over 600 k steps, bf16) on the offline corpus, seed s for
@@ -89,31 +89,46 @@ def probe_overhead(recs):
     return {"probe s/call": call, "probe overhead": f"{100 * call / (every * step):.2f} %"}
 
 
+def _run_dirs(roots):
+    """(label, dir) of every run under the roots; a run in a sub-folder of a root (an archived
+    batch, e.g. ``before-ln-fix/``) is labelled with its path relative to the root."""
+    found = []
+    for root in map(Path, roots):
+        for p in sorted(root.rglob("metrics.jsonl*")):
+            if p.name in ("metrics.jsonl", "metrics.jsonl.gz"):
+                found.append((str(p.parent.relative_to(root)), p.parent))
+    return list(dict(found).items())
+
+
+COMMON_STEPS = (2000, 3000, 4000)  # columns at common steps, so arms of different lengths compare
+
+
 def table(args):
     rows = []
     from train.gpt2 import read_metrics
 
-    runs = [p for p in Path(args.root).iterdir()
-            if (p / "metrics.jsonl").exists() or (p / "metrics.jsonl.gz").exists()]
-    for run_dir in sorted(runs):
+    for name, run_dir in _run_dirs(args.roots):
         recs = read_metrics(run_dir)
         summary = json.loads((run_dir / "summary.json").read_text()) \
             if (run_dir / "summary.json").exists() else {}
         probes = [r for r in recs if f"max_logit/L{LAYER}" in r]
         last = probes[-1] if probes else {}
-        loss_at = {s: next((r["loss"] for r in recs if r["step"] == s), None) for s in (1000, 2000, 3000)}
+        loss_at = {s: next((r["loss"] for r in recs if r["step"] == s and "loss" in r), None)
+                   for s in (1000, 2000, 3000)}
+        last_step = max((r["step"] for r in recs), default=0)
         rows.append({
-            "run": run_dir.name, "steps": recs[-1]["step"] if recs else 0,
+            "run": name, "steps": last_step,
             "L1 max logit >100 at": first_step_above(probes, f"max_logit/L{LAYER}", 100),
             "L1 max logit >1000 at": first_step_above(probes, f"max_logit/L{LAYER}", 1000),
+            **{f"L1 max logit@{s}": at(probes, s, f"max_logit/L{LAYER}") for s in COMMON_STEPS},
+            **{f"L1 max ‖W_Q‖₂@{s}": at(probes, s, f"wq_norm_max/L{LAYER}") for s in COMMON_STEPS},
+            "last probe": last.get("step"),
             "last L1 max logit": last.get(f"max_logit/L{LAYER}"),
             "last L1 max ‖W_Q‖₂": last.get(f"wq_norm_max/L{LAYER}"),
             "last L1 tie frac": last.get(f"tie_frac/L{LAYER}"),
+            "last L1 tie frac, bf16 S": last.get(f"tie_frac_bf16s/L{LAYER}"),
             **{f"loss@{s}": v for s, v in loss_at.items()},
-            # at common steps, so arms of different lengths compare
-            **{f"L1 max logit@{s}": at(probes, s, f"max_logit/L{LAYER}") for s in (2000, 3000)},
-            **{f"L1 max ‖W_Q‖₂@{s}": at(probes, s, f"wq_norm_max/L{LAYER}") for s in (2000, 3000)},
-            "diverged at": summary.get("diverged_at") or f"none by {recs[-1]['step'] if recs else 0}",
+            "diverged at": summary.get("diverged_at") or f"none by {last_step}",
             **probe_overhead(recs),
         })
     cols = list(dict.fromkeys(c for r in rows for c in r))
@@ -143,7 +158,7 @@ def main(argv=None):
                    help="steps (comma-separated) at which to compare with PyTorch flash (GPU + torch)")
     r.add_argument("overrides", nargs="*", help="extra key=value overrides (e.g. model.n_layer=6)")
     t = sub.add_parser("table")
-    t.add_argument("root")
+    t.add_argument("roots", nargs="+", help="folders of runs (sub-folders are searched too)")
     t.add_argument("--md", default=None)
     args = ap.parse_args(argv)
     (run if args.cmd == "run" else table)(args)

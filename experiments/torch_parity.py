@@ -100,8 +100,9 @@ class TorchAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        if self.kind == "sdpa":
-            with sdpa_kernel([SDPBackend.MATH]):
+        if self.kind in ("sdpa", "flash"):  # "flash": SDPA's FlashAttention-2 backend (GPU)
+            backend = SDPBackend.FLASH_ATTENTION if self.kind == "flash" else SDPBackend.MATH
+            with sdpa_kernel([backend]):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # nanoGPT's non-flash path
             s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
@@ -156,9 +157,10 @@ class TorchGPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.c["n_layer"]))
 
-    def forward(self, idx, targets):
+    def forward(self, idx, targets, full: bool = True):
+        """(loss, logits, block outputs); only the loss when ``full`` is False (training)."""
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         blocks = []
         for block in self.h:
             x = block(x)
@@ -167,7 +169,7 @@ class TorchGPT(nn.Module):
         # autocast's cross_entropy upcasts bf16 logits to FP32; keep float64 in the float64 run
         lf = logits if logits.dtype == torch.float64 else logits.float()
         loss = F.cross_entropy(lf.view(-1, lf.size(-1)), targets.reshape(-1))
-        return loss, logits, blocks
+        return (loss, logits, blocks) if full else loss
 
 
 def load_into_torch(tm: TorchGPT, flat: dict[str, np.ndarray], dtype=torch.float32):

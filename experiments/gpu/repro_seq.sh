@@ -5,22 +5,36 @@
 # in the next command while the machine stays warm. Metrics, config and log of each run are copied to
 # $OUT/repro/<arm>-s<seed>/ after every command.
 # Usage: bash experiments/gpu/repro_seq.sh LIMIT_S ARM:SEED:STEPS [ARM:SEED:STEPS ...]
-# Env: TIED=1 first runs the kernel-level tied-row comparison with PyTorch flash;
+# ARM: an experiments/reproduce.py arm, or torch-flash / torch-standard for the PyTorch twin
+# (experiments/gpu/torch_train.py: the same init, data order and probe, trained by PyTorch; no resume).
+# Env: GPU_TESTS=K first runs the `gpu` kernel tests selected by `-k K` (e.g. fa2) and stops if they fail;
+#      TIED=1 first runs the kernel-level tied-row comparison with PyTorch flash;
 #      COMPARE_AT=1000,2000 compares with PyTorch flash on the model's tensors at those steps.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; RUNS=${RUNS:-/tmp/jf-repro}; LIMIT=$1; shift
 mkdir -p "$OUT/repro" "$RUNS"
 python3 -c "import jax, jaxlib, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices()[0].device_kind)" | tee "$OUT/env.txt"
+if [ -n "${GPU_TESTS:-}" ]; then
+  timeout 300 python3 -m pytest -m gpu tests/test_gpu.py -k "$GPU_TESTS" -q -s -x -p no:cacheprovider \
+    > "$OUT/gpu_tests.log" 2>&1 || { tail -30 "$OUT/gpu_tests.log"; echo "gpu tests failed: stopping"; exit 1; }
+  tail -1 "$OUT/gpu_tests.log"
+fi
 if [ "${TIED:-0}" = 1 ]; then
   timeout 120 python3 -m experiments.gpu.torch_compare tied --rows 4000 --out "$OUT/tied_vs_torch.json" 2>&1 | tail -20
 fi
 for spec in "$@"; do
   IFS=: read -r arm seed steps <<< "$spec"
   name="$arm-s$seed"
-  timeout "$LIMIT" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
-    --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
-    --checkpoint-every "${CKPT_EVERY:-1000}" --resume true >> "$RUNS/$name.log" 2>&1
+  if [[ "$arm" == torch-* ]]; then
+    timeout "$LIMIT" python3 -m experiments.gpu.torch_train --attn "${arm#torch-}" --seed "$seed" \
+      --steps "$steps" --probe-every 250 --data data/full.npz --out "$RUNS" \
+      --max-seconds $((LIMIT - 45)) >> "$RUNS/$name.log" 2>&1
+  else
+    timeout "$LIMIT" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
+      --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
+      --checkpoint-every "${CKPT_EVERY:-1000}" --resume true >> "$RUNS/$name.log" 2>&1
+  fi
   echo "$name: exit $?"; tail -3 "$RUNS/$name.log"
   mkdir -p "$OUT/repro/$name"
   cp "$RUNS/$name.log" "$OUT/repro/$name/run.log"
