@@ -2,6 +2,7 @@
 
     python -m experiments.reproduce run --arm fa2 --seed 0 --steps 3000 --out results/repro
     python -m experiments.reproduce table results/repro [--md results/repro/table.md]
+    python -m experiments.reproduce probes results/repro/fa2-s1 [--steps 3000,4000] [--layer 1]
 
 Configuration: the small-gpu preset (GPT-2 small, 32×1024 tokens/step, AdamW (0.9, 0.95), wd 0,
 clip 1, lr 1e-3 with 500 warmup then cosine over 600 k steps, bf16) on the offline corpus, seed s for
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 ARMS = {
@@ -75,12 +77,24 @@ def at(recs, step, key):
     return next((r.get(key) for r in recs if r["step"] == step), None)
 
 
+def _plain_step_times(recs):
+    """Step times of ordinary steps (no probe or eval; the first few, which compile, left out)."""
+    return [r["step_time_s"] for r in recs[5:]
+            if "step_time_s" in r and "probe_time_s" not in r and "val_loss" not in r]
+
+
+def mean_loss(recs, last: int, n: int = 100):
+    """Mean training loss over steps last-n+1 … last (None unless all of them were recorded)."""
+    vals = [r["loss"] for r in recs if "loss" in r and last - n < r["step"] <= last]
+    return sum(vals) / n if len(vals) == n else None
+
+
 def probe_overhead(recs):
     """Median probe call (after the first, which compiles) and its share of the steps between probes."""
     import statistics
 
     calls = [r["probe_time_s"] for r in recs if "probe_time_s" in r][1:]
-    plain = [r["step_time_s"] for r in recs[5:] if "probe_time_s" not in r and "val_loss" not in r]
+    plain = _plain_step_times(recs)
     probe_steps = [r["step"] for r in recs if "probe_time_s" in r]
     if not calls or not plain or len(probe_steps) < 2:
         return {}
@@ -128,6 +142,8 @@ def table(args):
             "last L1 tie frac": last.get(f"tie_frac/L{LAYER}"),
             "last L1 tie frac, bf16 S": last.get(f"tie_frac_bf16s/L{LAYER}"),
             **{f"loss@{s}": v for s, v in loss_at.items()},
+            **{f"mean loss {s - 99}–{s}": mean_loss(recs, s) for s in (3000, 4000)},
+            "step ms (median)": 1e3 * statistics.median(times) if (times := _plain_step_times(recs)) else None,
             "diverged at": summary.get("diverged_at") or f"none by {last_step}",
             **probe_overhead(recs),
         })
@@ -139,6 +155,29 @@ def table(args):
     print(text)
     if args.md:
         Path(args.md).write_text(text + "\n")
+
+
+def probes(args):
+    """Per run and probe step: the layer's max logit, its largest head's ‖W_Q‖₂ (and which head), the
+    tie fractions (FP32 and bf16-rounded scores) and the δ error — the rows behind the write-up."""
+    from train.gpt2 import read_metrics
+
+    tag = f"L{args.layer}"
+    want = {int(s) for s in args.steps.split(",")} if args.steps else None
+    print("| run | step | max logit | max-head ‖W_Q‖₂ (head) | tie rows | tie rows, bf16 S | Σ δ err |")
+    print("|---|---|---|---|---|---|---|")
+    for run in args.runs:
+        for r in read_metrics(run):
+            if f"max_logit/{tag}" not in r or (want and r["step"] not in want):
+                continue
+            heads = sorted(int(k.rsplit("H", 1)[1]) for k in r if k.startswith(f"wq_norm/{tag}/H"))
+            top = max(heads, key=lambda h: r[f"wq_norm/{tag}/H{h}"]) if heads else None
+            bf16 = r.get(f"tie_frac_bf16s/{tag}")
+            derr = r.get(f"delta_err/{tag}")
+            print(f"| {run} | {r['step']} | {r[f'max_logit/{tag}']:.4g} | "
+                  f"{r[f'wq_norm_max/{tag}']:.3g} (H{top}) | {100 * r[f'tie_frac/{tag}']:.2f} % | "
+                  + (f"{100 * bf16:.2f} %" if bf16 is not None else "—") + " | "
+                  + (f"{derr:+.2e}" if derr is not None else "—") + " |")
 
 
 def main(argv=None):
@@ -160,8 +199,12 @@ def main(argv=None):
     t = sub.add_parser("table")
     t.add_argument("roots", nargs="+", help="folders of runs (sub-folders are searched too)")
     t.add_argument("--md", default=None)
+    p = sub.add_parser("probes", help="per-probe rows of one layer (max logit, ‖W_Q‖₂, ties, δ error)")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--layer", type=int, default=LAYER)
+    p.add_argument("--steps", default="", help="comma-separated probe steps (default: all)")
     args = ap.parse_args(argv)
-    (run if args.cmd == "run" else table)(args)
+    {"run": run, "table": table, "probes": probes}[args.cmd](args)
 
 
 if __name__ == "__main__":

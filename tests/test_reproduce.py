@@ -34,3 +34,13 @@ def test_run_resume_and_table(tmp_path, capsys):
     table = (tmp_path / "t.md").read_text()
     row = next(l for l in table.splitlines() if l.startswith("| fa2-s3"))
     assert "| 6 |" in row and "none by 6" in row
+    # an archived batch in a sub-folder is found and labelled by its relative path
+    import shutil
+
+    shutil.copytree(run, tmp_path / "runs" / "archive" / "fa2-s3")
+    R.main(["table", str(tmp_path / "runs"), "--md", str(tmp_path / "t2.md")])
+    assert any(l.startswith("| archive/fa2-s3 |") for l in (tmp_path / "t2.md").read_text().splitlines())
+    capsys.readouterr()
+    R.main(["probes", str(run), "--steps", "4,6"])
+    rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {run} |")]
+    assert [l.split("|")[2].strip() for l in rows] == ["4", "6"]
