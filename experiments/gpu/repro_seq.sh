@@ -9,11 +9,15 @@
 # (experiments/gpu/torch_train.py: the same init, data order and probe, trained by PyTorch; no resume).
 # Env: GPU_TESTS=K first runs the `gpu` kernel tests selected by `-k K` (e.g. fa2) and stops if they fail;
 #      TIED=1 first runs the kernel-level tied-row comparison with PyTorch flash;
-#      COMPARE_AT=1000,2000 compares with PyTorch flash on the model's tensors at those steps.
+#      COMPARE_AT=1000,2000 compares with PyTorch flash on the model's tensors at those steps;
+#      VARIANT=NAME OVERRIDES="model.n_layer=6 ..." runs every arm with these config overrides (JAX
+#      arms only), kept apart under $RUNS/NAME/ and $OUT/repro/NAME/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; RUNS=${RUNS:-/tmp/jf-repro}; LIMIT=$1; shift
-mkdir -p "$OUT/repro" "$RUNS"
+if [ -n "${VARIANT:-}" ]; then RUNS="$RUNS/$VARIANT"; DEST="$OUT/repro/$VARIANT"; else DEST="$OUT/repro"; fi
+read -r -a EXTRA <<< "${OVERRIDES:-}"
+mkdir -p "$DEST" "$RUNS"
 python3 -c "import jax, jaxlib, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices()[0].device_kind)" | tee "$OUT/env.txt"
 if [ -n "${GPU_TESTS:-}" ]; then
   timeout 300 python3 -m pytest -m gpu tests/test_gpu.py -k "$GPU_TESTS" -q -s -x -p no:cacheprovider \
@@ -33,12 +37,12 @@ for spec in "$@"; do
   else
     timeout "$LIMIT" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
       --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
-      --checkpoint-every "${CKPT_EVERY:-1000}" --resume true >> "$RUNS/$name.log" 2>&1
+      --checkpoint-every "${CKPT_EVERY:-1000}" --resume true "${EXTRA[@]}" >> "$RUNS/$name.log" 2>&1
   fi
   echo "$name: exit $?"; tail -3 "$RUNS/$name.log"
-  mkdir -p "$OUT/repro/$name"
-  cp "$RUNS/$name.log" "$OUT/repro/$name/run.log"
-  cp "$RUNS/$name"/{config.json,summary.json} "$OUT/repro/$name/" 2>/dev/null
-  gzip -c "$RUNS/$name/metrics.jsonl" > "$OUT/repro/$name/metrics.jsonl.gz"
+  mkdir -p "$DEST/$name"
+  cp "$RUNS/$name.log" "$DEST/$name/run.log"
+  cp "$RUNS/$name"/{config.json,summary.json} "$DEST/$name/" 2>/dev/null
+  gzip -c "$RUNS/$name/metrics.jsonl" > "$DEST/$name/metrics.jsonl.gz"
 done
 python3 -m experiments.reproduce table "$OUT/repro"
