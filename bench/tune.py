@@ -4,7 +4,8 @@
         [--budget-s 480] [--out jax_flash/pallas/tuning.json] [--log FILE.json]
 
 For each shape and policy: first the forward launch (num_warps, num_stages) per tile pair, timed on the
-forward; then, with each tile pair's best forward, the backward launch, timed on forward+backward. The
+forward; then, with each tile pair's best forward, the backward launch, timed on forward+backward;
+last, the winner without and with ``split_diagonal`` (mask-free loops below the causal diagonal). The
 fastest forward+backward wins and is merged into the table under `tuning.key(...)` (causal, bf16,
 stable off — the stable kernels are the same kernels). Candidates that do not compile (shared memory)
 are skipped and logged. "paper" keeps its 512-wide key tiles (they define its numerics).
@@ -67,6 +68,10 @@ def tune_one(shape, policy, reps, deadline, log):
         both = best_of([dict(fwd[1], bwd=launch_of(lc)) for lc in LAUNCHES], "fwd+bwd")
         if both is not None and (best is None or both[0] < best[0]):
             best = both
+    if best is not None:  # the winner with and without mask-free interior loops, timed back to back
+        again = best_of([dict(best[1], split_diagonal=False), dict(best[1], split_diagonal=True)],
+                        "fwd+bwd")
+        best = again or best
     return best, trials
 
 

@@ -47,6 +47,10 @@ class Config:
     # None: the defaults. They do not change the numerics.
     fwd_launch: tuple | None = None
     bwd_launch: tuple | None = None
+    # Pallas kernels: run the tiles that need no mask (below the causal diagonal, inside kv_len) in a
+    # loop without mask arithmetic. The same operations on the same values in the same order; a
+    # launch choice of the tuning table (pallas/tuning.py), off by default.
+    split_diagonal: bool = False
 
     @property
     def score_scale(self) -> float:
@@ -111,7 +115,8 @@ def scores(q, k, cfg: Config):
 
 
 def tie_count(s, mask, r_m, cfg: Config):
-    """Per row, the number of unmasked entries "at the max" r_m (masked entries never count).
+    """Per row, the number of unmasked entries "at the max" r_m (masked entries never count;
+    ``mask=None``: a tile without masked entries).
 
     ``p_one``: entries whose P̄ = exp(S − r_m) rounds to exactly 1.0 in the tie dtype (BF16: S within
     ~2⁻⁹ of r_m) — the entries that put exact copies of V rows into Ō. ``paper``: the authors' test
@@ -125,7 +130,9 @@ def tie_count(s, mask, r_m, cfg: Config):
         # ⟺  x ≥ log(1 − eps/4): a compare instead of an exp per entry, the same on every backend.
         eps = float(jnp.finfo(pol.tie_dtype).eps)
         at_max = (s - r_m[:, None]) >= _log(1.0 - eps / 4.0, pol)
-    return jnp.sum(jnp.where(mask & at_max, 1.0, 0.0), axis=1)
+    if mask is not None:
+        at_max = mask & at_max
+    return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
 
 
 def stable_shift(s, mask, r_m, cfg: Config):
@@ -150,10 +157,12 @@ def init_carry(bq: int, d: int) -> Carry:
 
 
 def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
-    """One online-softmax update of (m, ℓ, acc) with key tile (k, v)."""
+    """One online-softmax update of (m, ℓ, acc) with key tile (k, v); ``mask=None``: nothing masked."""
     pol = cfg.policy
     m_old, l_old, acc_old = carry
-    s = jnp.where(mask, scores(q, k, cfg), NEG_INF)
+    s = scores(q, k, cfg)
+    if mask is not None:
+        s = jnp.where(mask, s, NEG_INF)
     r_m = jnp.max(s, axis=1)
     m_tile = stable_shift(s, mask, r_m, cfg) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
@@ -164,8 +173,12 @@ def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
     tile_sum = jnp.sum(p, axis=1)
     if pol.tile_sum_floor:
         # The authors clamp every tile sum; rows with no unmasked entry in the tile are skipped tiles here.
-        any_key = jnp.max(jnp.where(mask, 1.0, 0.0), axis=1) > 0  # (no boolean reductions in Triton)
-        tile_sum = jnp.where(any_key, jnp.maximum(tile_sum, pol.tile_sum_floor), tile_sum)
+        floored = jnp.maximum(tile_sum, pol.tile_sum_floor)
+        if mask is None:
+            tile_sum = floored
+        else:
+            any_key = jnp.max(jnp.where(mask, 1.0, 0.0), axis=1) > 0  # (no boolean reductions in Triton)
+            tile_sum = jnp.where(any_key, floored, tile_sum)
     pv = dot_nn(p.astype(pol.p_dtype), v, pol)
     if pol.round_tile_pv:
         pv = _round_o(pv, pol, salt=1)
@@ -204,9 +217,9 @@ def finish(carry: Carry, cfg: Config):
 
 # ------------------------------------------------------------------------------------------ backward
 def probabilities(q, k, lse, mask, cfg: Config):
-    """(S, P) with P = exp(S − L) recomputed from the saved L; masked entries 0."""
-    s = scores(q, k, cfg)
-    return jnp.where(mask, _exp(s - lse[:, None], cfg.policy), 0.0)
+    """P = exp(S − L) recomputed from the saved L; masked entries 0 (``mask=None``: none masked)."""
+    p = _exp(scores(q, k, cfg) - lse[:, None], cfg.policy)
+    return p if mask is None else jnp.where(mask, p, 0.0)
 
 
 def delta_tile(acc, q, k, v, do, lse, mask, cfg: Config):

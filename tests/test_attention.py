@@ -170,6 +170,43 @@ def test_pallas_gradients_match_jnp(rng):
             assert rel(x, y) < 5e-3, delta  # bf16 storage of the gradients; FP32 accumulation inside
 
 
+SPLIT_FAST = [("fa2", True, (16, 16)), ("fa2", True, (16, 32)), ("fa2", False, (32, 16)),
+              ("fp32", True, (32, 16)), ("paper", True, (16, 16))]
+SPLIT_ALL = list(itertools.product(("fa2", "paper", "fp32"), (True, False), ((16, 16), (32, 16), (16, 32))))
+
+
+@pytest.mark.parametrize("policy,causal,tiles", SPLIT_FAST + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in SPLIT_ALL if c not in SPLIT_FAST])
+def test_split_diagonal_is_the_same_arithmetic(rng, policy, causal, tiles):
+    """``Config.split_diagonal`` (a tuning-table choice: mask-free loops over the tiles below the
+    causal diagonal and inside kv_len) changes no value: O, L and all gradients, for δ from O and
+    from dP∘P, with a kv tail (T = 50 is no multiple of the tiles) and tied rows under the stable
+    shift. Bitwise, or within one ulp where XLA:CPU fuses the mask-free exp differently."""
+    import dataclasses
+
+    from jax_flash import api
+
+    q, k, v = tied_inputs(rng, (1, 50, 2, 32))
+    do = jnp.asarray(rng.standard_normal(q.shape), BF16)
+    bq, bk = tiles
+    for delta in ("o", "dpp"):
+        cfg, _ = api._make_config(q, k, v, causal=causal, stable=True, beta=2.0, sm_scale=None,
+                                  policy=policy, delta=delta, impl="pallas", block_q=bq, block_k=bk)
+        outs = []
+        for split in (False, True):
+            c = dataclasses.replace(cfg, split_diagonal=split)
+            o, vjp = jax.vjp(lambda q, k, v: api._attention(q, k, v, c, "pallas"), q, k, v)
+            lse = api._forward(q, k, v, c, "pallas")[2]
+            outs.append([o, *vjp(do), lse])
+        for name, a, b in zip(("O", "dQ", "dK", "dV", "L"), *outs):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            eps = float(jnp.finfo(BF16 if name != "L" else jnp.float32).eps)
+            assert np.mean(a == b) >= 0.99, (name, delta, np.mean(a == b))
+            # one ulp of the element, or FP32 last bits of the tile sums where a gradient cancels
+            bound = eps * np.maximum(np.abs(a), np.abs(b)) + 8 * 2.0**-23 * np.abs(b).max()
+            assert np.all(np.abs(a - b) <= bound), (name, delta, np.max(np.abs(a - b)))
+
+
 # --------------------------------------------------------------------------------- stable shift
 def tie_free_inputs(rng, shape):
     """Inputs whose every score row has its maximum ≥ 0.3 above the runner-up (no tie under any

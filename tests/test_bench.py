@@ -48,7 +48,7 @@ def test_tuning_table_reaches_the_kernel_config(monkeypatch):
     kw = dict(causal=True, stable=False, beta=2.0, sm_scale=None, policy="fa2", delta="o",
               impl="pallas", block_q=None, block_k=None)
     entry = {"block_q": 128, "block_k": 32, "fwd": {"num_warps": 8, "num_stages": 3},
-             "bwd": {"num_warps": 4, "num_stages": 2}}
+             "bwd": {"num_warps": 4, "num_stages": 2}, "split_diagonal": True}
     assert tuning.key("fa2", 64, 1000, True) == "fa2/d64/t1024/causal"
     with tuning.override(entry):
         cpu_cfg, _ = _make_config(x, x, x, **kw)
@@ -58,6 +58,7 @@ def test_tuning_table_reaches_the_kernel_config(monkeypatch):
     assert (cpu_cfg.block_q, cpu_cfg.block_k, cpu_cfg.fwd_launch) == (64, 64, None)
     assert impl == "pallas" and (cfg.block_q, cfg.block_k) == (128, 32)
     assert cfg.fwd_launch == (8, 3) and cfg.bwd_launch == (4, 2)
+    assert cfg.split_diagonal and not cpu_cfg.split_diagonal
     assert user.block_k == 64
 
 
@@ -88,3 +89,21 @@ def test_targets_table_from_records(tmp_path):
     bench.main(["--from-json", str(path), "--md", str(tmp_path / "B.md")])
     md = (tmp_path / "B.md").read_text()
     assert "| 32×1024×12×64 | 0.80× | 1.50× |" in md and "jax x, 2026-01-02" in md
+
+
+def test_tune_one_control_flow_on_cpu(monkeypatch):
+    """bench.tune's search on a tiny shape with one tile pair and one launch (the kernels run
+    interpreted, so the times mean nothing here): forward launch, then backward launch, then the
+    winner without and with split_diagonal; every trial is logged and the result is one of them."""
+    import time
+
+    from bench import tune
+
+    monkeypatch.setattr(tune, "TILES", {"fa2": [(16, 16)]})
+    monkeypatch.setattr(tune, "LAUNCHES", [(4, 2)])
+    best, trials = tune.tune_one((1, 32, 1, 16), "fa2", 1, time.time() + 600, lambda *a: None)
+    assert [t["pass"] for t in trials] == ["fwd", "fwd+bwd", "fwd+bwd", "fwd+bwd"]
+    assert [t.get("split_diagonal") for t in trials[2:]] == [False, True]
+    ms, entry = best
+    assert entry["block_q"] == entry["block_k"] == 16 and entry["bwd"]["num_warps"] == 4
+    assert entry["split_diagonal"] in (False, True) and ms == min(t["ms"] for t in trials[2:])

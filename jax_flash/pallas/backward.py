@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from .. import tile
 from ..tile import Config
 from .common import compiler_params, interpret_mode
-from .forward import _num_kv_tiles
+from .forward import kv_loop
 
 
 # Grids are (block, batch, head): the block index varies fastest, so the programs running at once
@@ -52,15 +52,14 @@ def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Config,
     do = do_ref[...].astype(pol.operand_dtype)
     lse = lse_ref[...]
 
-    def body(j, acc):
+    def body(j, acc, mask):
         k = k_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
         v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
-        mask = tile.tile_mask(i * bq, j * bk, bq, bk, cfg)
         return tile.delta_tile(acc, q, k, v, do, lse, mask, cfg)
 
     zeros = jnp.zeros((bq,), jnp.float32)
     init = (zeros,) if cfg.delta == "dpp" else (jnp.zeros(q.shape, jnp.float32), zeros)
-    acc = lax.fori_loop(0, _num_kv_tiles(i, cfg, nk), body, init)
+    acc = kv_loop(i, cfg, nk, body, init)
     out_ref[...] = tile.delta_finish(acc, do, cfg)
 
 
@@ -93,17 +92,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     v = v_ref[...].astype(pol.operand_dtype)
     d = k.shape[-1]
 
-    def body(i, acc):
+    def body(i, acc, mask):
         rows = pl.ds(i * bq, bq)
         q = q_ref[rows, :].astype(pol.operand_dtype)
         do = do_ref[rows, :].astype(pol.operand_dtype)
-        mask = tile.tile_mask(i * bq, j * bk, bq, bk, cfg)
         return tile.backward_tile_dkdv(*acc, q, k, v, do, lse_ref[rows], delta_ref[rows], mask, cfg)
 
+    masked = lambda i, acc: body(i, acc, tile.tile_mask(i * bq, j * bk, bq, bk, cfg))
     # Query blocks entirely above the causal diagonal see none of this key tile.
     first = (j * bk) // bq if cfg.causal else 0
     zeros = jnp.zeros((bk, d), jnp.float32)
-    dk, dv = lax.fori_loop(first, nq, body, (zeros, zeros))
+    if cfg.split_diagonal:
+        # blocks from the first one whose first row is at or below this tile's last key need no mask
+        # (when the tile lies inside kv_len); they come last, so the accumulation order is unchanged
+        first_full = pl.cdiv((j + 1) * bk - 1, bq) if cfg.causal else 0
+        first_full = jnp.where((j + 1) * bk <= cfg.kv_len, jnp.clip(first_full, first, nq), nq)
+        acc = lax.fori_loop(first, first_full, masked, (zeros, zeros))
+        dk, dv = lax.fori_loop(first_full, nq, lambda i, acc: body(i, acc, None), acc)
+    else:
+        dk, dv = lax.fori_loop(first, nq, masked, (zeros, zeros))
     dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -116,13 +123,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
     do = do_ref[...].astype(pol.operand_dtype)
     lse, dlt = lse_ref[...], delta_ref[...]
 
-    def body(j, dq):
+    def body(j, dq, mask):
         k = k_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
         v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
-        mask = tile.tile_mask(i * bq, j * bk, bq, bk, cfg)
         return tile.backward_tile_dq(dq, q, k, v, do, lse, dlt, mask, cfg)
 
-    dq = lax.fori_loop(0, _num_kv_tiles(i, cfg, nk), body, jnp.zeros(q.shape, jnp.float32))
+    dq = kv_loop(i, cfg, nk, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 

@@ -26,19 +26,40 @@ def _num_kv_tiles(i, cfg: Config, nk: int):
     return jnp.minimum(nk, pl.cdiv((i + 1) * cfg.block_q, cfg.block_k))
 
 
+def _num_full_kv_tiles(i, cfg: Config, nk: int):
+    """Leading key tiles that need no mask for query block i: inside kv_len and, when causal,
+    entirely at or below the block's first row (``split_diagonal`` runs them without mask arithmetic)."""
+    full = cfg.kv_len // cfg.block_k
+    if cfg.causal:
+        full = jnp.minimum(full, (i * cfg.block_q + 1) // cfg.block_k)
+    return jnp.minimum(full, nk)
+
+
+def kv_loop(i, cfg: Config, nk: int, body, init):
+    """``fori_loop`` of ``body(j, carry, mask)`` over the key tiles query block i visits, in order;
+    ``mask`` is the tile's mask, or None for the tiles that need none when ``cfg.split_diagonal``."""
+    bq, bk = cfg.block_q, cfg.block_k
+    masked = lambda j, c: body(j, c, tile.tile_mask(i * bq, j * bk, bq, bk, cfg))
+    n = _num_kv_tiles(i, cfg, nk)
+    if not cfg.split_diagonal:
+        return lax.fori_loop(0, n, masked, init)
+    n_full = _num_full_kv_tiles(i, cfg, nk)
+    carry = lax.fori_loop(0, n_full, lambda j, c: body(j, c, None), init)
+    return lax.fori_loop(n_full, n, masked, carry)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
     d = q.shape[-1]
 
-    def body(j, carry):
+    def body(j, carry, mask):
         k = k_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
         v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
-        mask = tile.tile_mask(i * bq, j * bk, bq, bk, cfg)
         return tile.forward_tile(carry, q, k, v, mask, cfg)
 
-    carry = lax.fori_loop(0, _num_kv_tiles(i, cfg, nk), body, tile.init_carry(bq, d))
+    carry = kv_loop(i, cfg, nk, body, tile.init_carry(bq, d))
     o, lse = tile.finish(carry, cfg)
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse
