@@ -166,7 +166,7 @@ def train(args) -> dict:
     diverged, step = None, 0
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def flush(extra=None):
+    def flush():
         nonlocal t_ref, diverged
         if not pending:
             return
@@ -178,8 +178,6 @@ def train(args) -> dict:
             for (s, _, _, lr), (lo, gn) in zip(pending, vals):
                 rec = {"step": s, "loss": float(lo), "grad_norm": float(gn), "lr": lr,
                        "step_time_s": dt}
-                if extra and s == pending[-1][0]:
-                    rec.update(extra)
                 f.write(json.dumps(rec) + "\n")
                 if diverged is None and not math.isfinite(float(lo)):
                     diverged = s
