@@ -42,11 +42,11 @@ def tune_one(shape, policy, reps, deadline, log):
     trials = []
     launch_of = lambda launch: dict(zip(("num_warps", "num_stages"), launch))
 
-    def best_of(entries, pss):
+    def best_of(entries, pss, until=deadline):
         """Time each candidate entry on pass `pss`; (ms, entry) of the fastest, None if none ran."""
         best = None
         for entry in entries:
-            if time.time() > deadline:
+            if time.time() > until:
                 break
             try:
                 with tuning.override(entry):
@@ -69,8 +69,9 @@ def tune_one(shape, policy, reps, deadline, log):
         if both is not None and (best is None or both[0] < best[0]):
             best = both
     if best is not None:  # the winner with and without mask-free interior loops, timed back to back
+        # (even past the deadline: two trials, and the answer the table's split_diagonal needs)
         again = best_of([dict(best[1], split_diagonal=False), dict(best[1], split_diagonal=True)],
-                        "fwd+bwd")
+                        "fwd+bwd", until=float("inf"))
         best = again or best
     return best, trials
 
@@ -86,12 +87,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         raise SystemExit("bench.tune times the Triton kernels: it needs a GPU (the table is unused elsewhere)")
-    deadline = time.time() + args.budget_s
+    start = time.time()
     table = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     all_trials = []
-    for shape, policy in itertools.product(
-            [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
-            args.policies.split(",")):
+    combos = list(itertools.product(
+        [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")], args.policies.split(",")))
+    for i, (shape, policy) in enumerate(combos):
+        # an equal share of what is left, so the first shape cannot starve the others
+        deadline = time.time() + (start + args.budget_s - time.time()) / (len(combos) - i)
         best, trials = tune_one(shape, policy, args.reps, deadline, print)
         all_trials += trials
         if best:
