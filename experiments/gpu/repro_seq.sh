@@ -2,8 +2,9 @@
 # Reproduction arms one after the other on one H200 (sequential runs are faster than concurrent
 # ones: docs/REPRODUCTION.md). Runs live on the machine's disk ($RUNS, a checkpoint every CKPT_EVERY
 # = 1000 steps, resumed when the same ARM:SEED comes again), so a run longer than one command continues
-# in the next command while the machine stays warm. Metrics, config and log of each run are copied to
-# $OUT/repro/<arm>-s<seed>/ after every command.
+# in the next command while the machine stays warm. Metrics, config and summary of each run are copied
+# to $OUT/repro/<arm>-s<seed>/ after every command (three files per run: at most two arms per call
+# come back, the device returns ≤ 8 files, two folder levels deep).
 # Usage: bash experiments/gpu/repro_seq.sh LIMIT_S ARM:SEED:STEPS [ARM:SEED:STEPS ...]
 # ARM: an experiments/reproduce.py arm, or torch-flash / torch-standard for the PyTorch twin
 # (experiments/gpu/torch_train.py: the same init, data order and probe, trained by PyTorch; no resume).
@@ -11,11 +12,11 @@
 #      TIED=1 first runs the kernel-level tied-row comparison with PyTorch flash;
 #      COMPARE_AT=1000,2000 compares with PyTorch flash on the model's tensors at those steps;
 #      VARIANT=NAME OVERRIDES="model.n_layer=6 ..." runs every arm with these config overrides (JAX
-#      arms only), kept apart under $RUNS/NAME/ and $OUT/repro/NAME/.
+#      arms only), kept apart under $RUNS/NAME/ and $OUT/repro-NAME/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; RUNS=${RUNS:-/tmp/jf-repro}; LIMIT=$1; shift
-if [ -n "${VARIANT:-}" ]; then RUNS="$RUNS/$VARIANT"; DEST="$OUT/repro/$VARIANT"; else DEST="$OUT/repro"; fi
+if [ -n "${VARIANT:-}" ]; then RUNS="$RUNS/$VARIANT"; DEST="$OUT/repro-$VARIANT"; else DEST="$OUT/repro"; fi
 read -r -a EXTRA <<< "${OVERRIDES:-}"
 mkdir -p "$DEST" "$RUNS"
 python3 -c "import jax, jaxlib, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices()[0].device_kind)" | tee "$OUT/env.txt"
@@ -39,10 +40,9 @@ for spec in "$@"; do
       --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
       --checkpoint-every "${CKPT_EVERY:-1000}" --resume true "${EXTRA[@]}" >> "$RUNS/$name.log" 2>&1
   fi
-  echo "$name: exit $?"; tail -3 "$RUNS/$name.log"
+  echo "$name: exit $?"; tail -5 "$RUNS/$name.log"
   mkdir -p "$DEST/$name"
-  cp "$RUNS/$name.log" "$DEST/$name/run.log"
   cp "$RUNS/$name"/{config.json,summary.json} "$DEST/$name/" 2>/dev/null
   gzip -c "$RUNS/$name/metrics.jsonl" > "$DEST/$name/metrics.jsonl.gz"
 done
-python3 -m experiments.reproduce table "$OUT/repro"
+python3 -m experiments.reproduce table "$DEST"

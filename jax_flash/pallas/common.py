@@ -11,13 +11,15 @@ def interpret_mode() -> bool:
 
 
 def default_launch(head_dim: int, block_q: int, block_k: int, *, backward: bool = False):
-    """(num_warps, num_stages) when the tuning table has no entry.
+    """(num_warps, num_stages) when the tuning table has no entry: the tuner's winners on the H200.
 
-    Forward: 4 warps for tiles up to 64×64 at head_dim ≤ 64, else 8. Backward: 4 warps for tiles up
-    to 64×64 at any head_dim — JAX's Pallas mha backward with 64×64 tiles and 4 warps ran in half our
-    8-warp time at head_dim 128 on the H200 (docs/PERF_NOTES.md, v4: a prediction until measured)."""
-    small = block_q * block_k <= 64 * 64
-    return (4 if small and (backward or head_dim <= 64) else 8, 2)
+    Tiles up to 64×64: 4 warps in every kernel; 3 stages, except 2 in the backward at head_dim > 64
+    (bench.tune, 2026-11-29: a backward with 8 warps took 1.5–1.9× the 4-warp time at both tuned shapes; the
+    stable forward at head_dim 128 cost +59 % with 8 warps against +17 % with 4; docs/PERF_NOTES.md
+    v7). Larger tiles: 8 warps, 2 stages."""
+    if block_q * block_k > 64 * 64:
+        return (8, 2)
+    return (4, 2 if backward and head_dim > 64 else 3)
 
 
 def compiler_params(launch, head_dim: int, block_q: int, block_k: int, *, backward: bool = False):
