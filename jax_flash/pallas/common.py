@@ -14,9 +14,9 @@ def default_launch(head_dim: int, block_q: int, block_k: int, *, backward: bool 
     """(num_warps, num_stages) when the tuning table has no entry: the tuner's winners on the H200.
 
     Tiles up to 64×64: 4 warps in every kernel; 3 stages, except 2 in the backward at head_dim > 64
-    (bench.tune, 2026-11-29: a backward with 8 warps took 1.5–1.9× the 4-warp time at both tuned shapes; the
-    stable forward at head_dim 128 cost +59 % with 8 warps against +17 % with 4; docs/PERF_NOTES.md
-    v7). Larger tiles: 8 warps, 2 stages."""
+    (bench.tune, 2026-11-29: a backward with 8 warps took 1.5–1.9× the 4-warp time at both tuned
+    shapes; the stable forward at head_dim 128 cost +59 % with 8 warps against +17 % with 4;
+    docs/PERF_NOTES.md v7). Larger tiles: 8 warps, 2 stages."""
     if block_q * block_k > 64 * 64:
         return (8, 2)
     return (4, 2 if backward and head_dim > 64 else 3)
