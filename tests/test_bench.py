@@ -107,3 +107,37 @@ def test_tune_one_control_flow_on_cpu(monkeypatch):
     ms, entry = best
     assert entry["block_q"] == entry["block_k"] == 16 and entry["bwd"]["num_warps"] == 4
     assert entry["split_diagonal"] in (False, True) and ms == min(t["ms"] for t in trials[2:])
+
+
+def test_kernel_isa_counts_per_entry():
+    """The PTX scan attributes instructions to the kernel whose body holds them, and counts only the
+    MMA itself (not the fences and commits around a wgmma)."""
+    from experiments.gpu.kernel_isa import isa_counts
+
+    ptx = """
+.version 8.4
+.target sm_90a
+.visible .entry jax_flash_fwd_fa2(
+    .param .u64 p0
+)
+{
+    wgmma.fence.sync.aligned;
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 0;
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd3, %rd4, 1, 1, 1, 0, 0;
+    wgmma.commit_group.sync.aligned;
+    ex2.approx.f32 %f2, %f3;
+}
+.visible .entry jax_flash_dkdv_fa2(
+    .param .u64 p0
+)
+{
+    ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};
+}
+"""
+    got = isa_counts(ptx)
+    assert got == {
+        "jax_flash_fwd_fa2": {"wgmma": 2, "mma_sync": 0, "ldmatrix": 0, "ex2": 1},
+        "jax_flash_dkdv_fa2": {"wgmma": 0, "mma_sync": 1, "ldmatrix": 1, "ex2": 0},
+    }
+    assert isa_counts("no entries here") == {}
