@@ -94,7 +94,8 @@ def test_targets_table_from_records(tmp_path):
 def test_tune_one_control_flow_on_cpu(monkeypatch):
     """bench.tune's search on a tiny shape with one tile pair and one launch (the kernels run
     interpreted, so the times mean nothing here): forward launch, then backward launch, then the
-    winner without and with split_diagonal; every trial is logged and the result is one of them."""
+    finalist without and with split_diagonal in three interleaved rounds; every trial is logged and
+    the result is one of them."""
     import time
 
     from bench import tune
@@ -102,11 +103,41 @@ def test_tune_one_control_flow_on_cpu(monkeypatch):
     monkeypatch.setattr(tune, "TILES", {"fa2": [(16, 16)]})
     monkeypatch.setattr(tune, "LAUNCHES", [(4, 2)])
     best, trials = tune.tune_one((1, 32, 1, 16), "fa2", 1, time.time() + 600, lambda *a: None)
-    assert [t["pass"] for t in trials] == ["fwd", "fwd+bwd", "fwd+bwd", "fwd+bwd"]
-    assert [t.get("split_diagonal") for t in trials[2:]] == [False, True]
+    assert [t["pass"] for t in trials] == ["fwd"] + ["fwd+bwd"] * 7
+    assert [t.get("split_diagonal") for t in trials[2:]] == [False, True] * 3
+    assert [t.get("round") for t in trials[2:]] == [0, 0, 1, 1, 2, 2]
     ms, entry = best
     assert entry["block_q"] == entry["block_k"] == 16 and entry["bwd"]["num_warps"] == 4
-    assert entry["split_diagonal"] in (False, True) and ms == min(t["ms"] for t in trials[2:])
+    rounds = [t["ms"] for t in trials[2:] if t["split_diagonal"] == entry["split_diagonal"]]
+    assert ms == sorted(rounds)[1]  # the median of its three rounds
+
+
+def test_tune_ranks_finalists_by_median_not_by_a_lucky_timing(monkeypatch):
+    """Scripted times: the search's one-shot winner and a split_diagonal variant with one lucky
+    round lose to the candidate whose median over the interleaved rounds is lowest."""
+    import time
+
+    from bench import tune
+    from jax_flash.pallas import tuning
+
+    monkeypatch.setattr(tune, "TILES", {"fa2": [(16, 16), (32, 16)]})
+    monkeypatch.setattr(tune, "LAUNCHES", [(4, 2)])
+    script = {  # (block_q, split_diagonal) -> fwd+bwd times in the final rounds
+        (16, False): iter([2.0, 2.1, 1.9]), (16, True): iter([0.5, 3.0, 3.1]),
+        (32, False): iter([2.5, 2.6, 2.4]), (32, True): iter([2.7, 2.8, 2.9])}
+
+    def fake_timed(fn, args, reps):
+        entry = tuning._OVERRIDE[-1]
+        if "bwd" not in entry:
+            return 1.0
+        if "split_diagonal" not in entry:  # the search: block_q 32 looks best in one shot
+            return 1.0 if entry["block_q"] == 32 else 1.5
+        return next(script[(entry["block_q"], entry["split_diagonal"])])
+
+    monkeypatch.setattr(tune, "_timed", fake_timed)
+    (ms, entry), trials = tune.tune_one((1, 32, 1, 16), "fa2", 1, time.time() + 600, lambda *a: None)
+    assert (entry["block_q"], entry["split_diagonal"], ms) == (16, False, 2.0)
+    assert len([t for t in trials if "round" in t]) == 12
 
 
 def test_kernel_isa_counts_per_entry():
