@@ -69,6 +69,10 @@ def test_default_launch_without_a_table_entry():
     assert default_launch(64, 64, 64) == default_launch(64, 64, 64, backward=True) == (4, 3)
     assert default_launch(128, 64, 64) == (4, 3) and default_launch(128, 64, 64, backward=True) == (4, 2)
     assert default_launch(64, 128, 64, backward=True) == (8, 2)  # larger tiles: 8 warps
+    # not measured (FP32 inputs, head_dim 256: more shared memory per pipelined tile): the earlier
+    # defaults, 2 stages and 8 warps for the wide forward
+    assert default_launch(128, 64, 64, itemsize=4) == default_launch(256, 64, 64) == (8, 2)
+    assert default_launch(64, 64, 64, itemsize=4) == default_launch(256, 64, 64, backward=True) == (4, 2)
 
 
 def test_targets_table_from_records(tmp_path):

@@ -78,7 +78,8 @@ def delta(q, k, v, o, do, lse, cfg: Config):
         out_specs=_row_spec(bq),
         out_shape=jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32),
         interpret=interpret_mode(),
-        compiler_params=compiler_params(cfg.bwd_launch, d, bq, bk, backward=True),
+        compiler_params=compiler_params(cfg.bwd_launch, d, bq, bk, backward=True,
+                                        itemsize=q.dtype.itemsize),
         name=_name("delta", cfg),
     )(q, k, v, do, lse)
 
@@ -139,7 +140,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk = tq // bq, tk // bk
-    params = compiler_params(cfg.bwd_launch, d, bq, bk, backward=True)
+    params = compiler_params(cfg.bwd_launch, d, bq, bk, backward=True, itemsize=q.dtype.itemsize)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, nq=nq),
         grid=(nk, bsz, h),

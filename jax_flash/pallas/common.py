@@ -10,19 +10,26 @@ def interpret_mode() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def default_launch(head_dim: int, block_q: int, block_k: int, *, backward: bool = False):
-    """(num_warps, num_stages) when the tuning table has no entry: the tuner's winners on the H200.
+def default_launch(head_dim: int, block_q: int, block_k: int, *, backward: bool = False,
+                   itemsize: int = 2):
+    """(num_warps, num_stages) when the tuning table has no entry.
 
-    Tiles up to 64×64: 4 warps in every kernel; 3 stages, except 2 in the backward at head_dim > 64
-    (bench.tune, 2026-11-29: a backward with 8 warps took 1.5–1.9× the 4-warp time at both tuned
-    shapes; the stable forward at head_dim 128 cost +59 % with 8 warps against +17 % with 4;
-    docs/PERF_NOTES.md v7). Larger tiles: 8 warps, 2 stages."""
+    16-bit inputs, head_dim ≤ 128, tiles up to 64×64 — what bench.tune measured on the H200
+    (2026-11-29): the winners there, 4 warps in every kernel and 3 stages, except 2 in the backward
+    at head_dim > 64 (an 8-warp backward took 1.5–1.9× the 4-warp time at both tuned shapes; the
+    stable forward at head_dim 128 cost +59 % with 8 warps against +17 % with 4; docs/PERF_NOTES.md
+    v7). Elsewhere (FP32 inputs, wider heads: more shared memory per pipelined tile; not measured)
+    the earlier defaults: 4 warps, 8 for the forward at head_dim > 64, 2 stages. Larger tiles: 8
+    warps, 2 stages. itemsize: bytes per input element."""
     if block_q * block_k > 64 * 64:
         return (8, 2)
+    if itemsize > 2 or head_dim > 128:
+        return (4 if backward or head_dim <= 64 else 8, 2)
     return (4, 2 if backward and head_dim > 64 else 3)
 
 
-def compiler_params(launch, head_dim: int, block_q: int, block_k: int, *, backward: bool = False):
+def compiler_params(launch, head_dim: int, block_q: int, block_k: int, *, backward: bool = False,
+                    itemsize: int = 2):
     """Triton compiler parameters (passing them selects the Triton backend over Mosaic GPU).
 
     launch: (num_warps, num_stages) from the tuning table, or None for ``default_launch``."""
@@ -31,5 +38,5 @@ def compiler_params(launch, head_dim: int, block_q: int, block_k: int, *, backwa
     from jax.experimental.pallas import triton as plgpu
 
     if launch is None:
-        launch = default_launch(head_dim, block_q, block_k, backward=backward)
+        launch = default_launch(head_dim, block_q, block_k, backward=backward, itemsize=itemsize)
     return plgpu.CompilerParams(num_warps=launch[0], num_stages=launch[1])

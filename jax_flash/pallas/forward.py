@@ -84,6 +84,6 @@ def forward(q, k, v, cfg: Config, *, o_dtype):
         out_shape=[jax.ShapeDtypeStruct((bsz, tq, h, d), o_dtype),
                    jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32)],
         interpret=interpret_mode(),
-        compiler_params=compiler_params(cfg.fwd_launch, d, bq, bk),
+        compiler_params=compiler_params(cfg.fwd_launch, d, bq, bk, itemsize=q.dtype.itemsize),
         name=f"jax_flash_fwd_{cfg.policy.name}{'_stable' if cfg.stable else ''}",
     )(q, k, v)
