@@ -13,7 +13,7 @@ PY
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/env.txt"
 timeout ${TEST_TIMEOUT:-330} python3 -m pytest -m gpu tests/test_gpu.py -q -s -x -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu_tests.log"
-timeout ${BENCH_TIMEOUT:-200} python3 -m bench.attention --shapes 32x1024x12x64,4x8192x16x128 --memory-lengths "" \
-  --reps 30 --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+timeout ${BENCH_TIMEOUT:-200} python3 -m bench.attention --shapes ${BENCH_SHAPES:-32x1024x12x64,4x8192x16x128} \
+  ${BENCH_ARGS:-} --memory-lengths "" --reps 30 --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 # which matrix instructions the compiled kernels use (wgmma on Hopper, or mma.sync)
 timeout ${ISA_TIMEOUT:-120} python3 -m experiments.gpu.kernel_isa --out "$OUT/kernel_isa.json" 2>&1 | tail -12

@@ -12,7 +12,8 @@
 #      TIED=1 first runs the kernel-level tied-row comparison with PyTorch flash;
 #      COMPARE_AT=1000,2000 compares with PyTorch flash on the model's tensors at those steps;
 #      VARIANT=NAME OVERRIDES="model.n_layer=6 ..." runs every arm with these config overrides (JAX
-#      arms only), kept apart under $RUNS/NAME/ and $OUT/repro-NAME/.
+#      arms only), kept apart under $RUNS/NAME/ and $OUT/repro-NAME/;
+#      DEADLINE=EPOCH_S (set by lanes.sh) shortens each arm's limit so that the last one ends by then.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; RUNS=${RUNS:-/tmp/jf-repro}; LIMIT=$1; shift
@@ -31,12 +32,17 @@ fi
 for spec in "$@"; do
   IFS=: read -r arm seed steps <<< "$spec"
   name="$arm-s$seed"
+  lim=$LIMIT
+  if [ -n "${DEADLINE:-}" ]; then
+    left=$((DEADLINE - $(date +%s) - 15)); [ "$left" -lt "$lim" ] && lim=$left
+    [ "$lim" -lt 90 ] && { echo "$name: skipped, ${lim}s left before the deadline"; continue; }
+  fi
   if [[ "$arm" == torch-* ]]; then
-    timeout "$LIMIT" python3 -m experiments.gpu.torch_train --attn "${arm#torch-}" --seed "$seed" \
+    timeout "$lim" python3 -m experiments.gpu.torch_train --attn "${arm#torch-}" --seed "$seed" \
       --steps "$steps" --probe-every 250 --data data/full.npz --out "$RUNS" \
-      --max-seconds $((LIMIT - 45)) >> "$RUNS/$name.log" 2>&1
+      --max-seconds $((lim - 45)) >> "$RUNS/$name.log" 2>&1
   else
-    timeout "$LIMIT" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
+    timeout "$lim" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
       --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
       --checkpoint-every "${CKPT_EVERY:-1000}" --resume true "${EXTRA[@]}" >> "$RUNS/$name.log" 2>&1
   fi
