@@ -66,6 +66,9 @@ class Carry(NamedTuple):
     m: jax.Array  # [bq] running max (the shift actually used)
     l: jax.Array  # [bq] running row sum of P̄
     acc: jax.Array  # [bq, D] running Σ P̄·V
+    # [bq] running max of the unshifted tile maxima; tracked only where the stable shift meets a
+    # tile-sum floor ("paper" policies), else left at -inf
+    m_raw: jax.Array
 
 
 # ---------------------------------------------------------------------------------------------- dots
@@ -140,7 +143,8 @@ def stable_shift(s, mask, r_m, cfg: Config):
 
     Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
     use r_m. Guard: the shift never exceeds r_m + MAX_SHIFT_NATS, so the tied entries' P̄ stays ≥ e⁻²⁰
-    and no row sum underflows (or hits the 1e-10 clamp) however large β·r_m is.
+    and no row sum underflows (or hits the 1e-10 clamp) however large β·r_m is; ``forward_tile``
+    skips the clamp on later tiles of a shifted row.
     """
     pol = cfg.policy
     ties = tie_count(s, mask, r_m, cfg)
@@ -153,19 +157,22 @@ def stable_shift(s, mask, r_m, cfg: Config):
 
 def init_carry(bq: int, d: int) -> Carry:
     return Carry(jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
-                 jnp.zeros((bq, d), jnp.float32))
+                 jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32))
 
 
 def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
     """One online-softmax update of (m, ℓ, acc) with key tile (k, v); ``mask=None``: nothing masked."""
     pol = cfg.policy
-    m_old, l_old, acc_old = carry
+    m_old, l_old, acc_old, m_raw = carry
     s = scores(q, k, cfg)
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
     r_m = jnp.max(s, axis=1)
     m_tile = stable_shift(s, mask, r_m, cfg) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
+    floor_vs_shift = cfg.stable and bool(pol.tile_sum_floor)
+    if floor_vs_shift:
+        m_raw = jnp.maximum(m_raw, r_m)
     m_ref = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing unmasked yet: avoid -inf - -inf
     rnd = (lambda x: round_to(x, pol.lp_dtype)) if pol.round_shifted else (lambda x: x)
     alpha = _exp(rnd(m_old - m_ref), pol)
@@ -174,11 +181,16 @@ def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
     if pol.tile_sum_floor:
         # The authors clamp every tile sum; rows with no unmasked entry in the tile are skipped tiles here.
         floored = jnp.maximum(tile_sum, pol.tile_sum_floor)
-        if mask is None:
-            tile_sum = floored
-        else:
+        if mask is not None:
             any_key = jnp.max(jnp.where(mask, 1.0, 0.0), axis=1) > 0  # (no boolean reductions in Triton)
-            tile_sum = jnp.where(any_key, floored, tile_sum)
+            floored = jnp.where(any_key, floored, tile_sum)
+        if floor_vs_shift:
+            # A row the stable shift has moved (m above every unshifted tile max) has ℓ as small as
+            # e⁻²⁰; the floor on a later, weaker tile would add a fake 1e-10 to it (+5 %: O shrinks
+            # towards 0, a biased error). The authors' code does that; here such rows keep the exact
+            # sum. Rows never shifted keep the authors' bits.
+            floored = jnp.where(m_new > m_raw, tile_sum, floored)
+        tile_sum = floored
     pv = dot_nn(p.astype(pol.p_dtype), v, pol)
     if pol.round_tile_pv:
         pv = _round_o(pv, pol, salt=1)
@@ -192,7 +204,7 @@ def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
     else:
         l_new = alpha * l_old + tile_sum
         acc_new = acc_old * alpha[:, None] + pv
-    return Carry(m_new, l_new, acc_new)
+    return Carry(m_new, l_new, acc_new, m_raw)
 
 
 def finish(carry: Carry, cfg: Config):
@@ -202,7 +214,7 @@ def finish(carry: Carry, cfg: Config):
     any unmasked key (padding) get O = 0 and L = +inf, so their recomputed P is 0.
     """
     pol = cfg.policy
-    m, l, acc = carry
+    m, l, acc, _ = carry
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o = acc / l_safe[:, None]
