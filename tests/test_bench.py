@@ -176,3 +176,17 @@ def test_kernel_isa_counts_per_entry():
         "jax_flash_dkdv_fa2": {"wgmma": 0, "mma_sync": 1, "ldmatrix": 1, "ex2": 0},
     }
     assert isa_counts("no entries here") == {}
+    # LLVM IR, where Triton writes the MMAs as inline PTX
+    ll = """
+define ptx_kernel void @jax_flash_dq_fa2(ptr addrspace(1) %0) {
+  %r = tail call { float } asm sideeffect "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 ...", "=f"()
+  ret void
+}
+define internal void @helper() {
+  ret void
+}
+"""
+    assert isa_counts(ll) == {
+        "jax_flash_dq_fa2": {"wgmma": 1, "mma_sync": 0, "ldmatrix": 0, "ex2": 0},
+        "helper": {"wgmma": 0, "mma_sync": 0, "ldmatrix": 0, "ex2": 0},
+    }

@@ -1,8 +1,9 @@
 """Which matrix instructions do the compiled kernels use? (issue 6: "check the compiled kernel uses
 the Hopper matrix instructions").
 
-Runs jax-flash forward+backward once with XLA dumping its GPU modules, then counts, per dumped PTX
-file and per kernel entry, Hopper's asynchronous warpgroup MMAs (``wgmma.mma_async``) against the
+Runs jax-flash forward+backward once with XLA dumping its GPU modules (``--xla_dump_to`` and
+``--xla_gpu_dump_llvmir``), then counts, per dumped PTX or LLVM IR file (Triton writes its MMAs into
+the LLVM IR as inline PTX, so both carry the instruction names) and per kernel entry, Hopper's asynchronous warpgroup MMAs (``wgmma.mma_async``) against the
 older warp-level ``mma.sync`` / ``ldmatrix`` path, and the ``ex2`` exponentials.
 
     python -m experiments.gpu.kernel_isa [--shape 4x8192x16x128] [--policy fa2] [--stable] \
@@ -26,12 +27,14 @@ PATTERNS = {
     "ldmatrix": r"\bldmatrix\b",
     "ex2": r"\bex2\.approx\b",
 }
-_ENTRY = re.compile(r"^\s*\.visible\s+\.entry\s+(\w+)", re.M)
+# a PTX kernel entry, or an LLVM IR function definition
+_ENTRY = re.compile(r"^\s*(?:\.visible\s+\.entry\s+(\w+)|define\b[^@\n]*@\"?([\w.$]+))", re.M)
 
 
 def isa_counts(ptx: str) -> dict[str, dict[str, int]]:
-    """{kernel entry name: {pattern: count}} for every ``.entry`` in a PTX module."""
-    starts = [(m.start(), m.group(1)) for m in _ENTRY.finditer(ptx)]
+    """{kernel entry name: {pattern: count}} for every PTX ``.entry`` or LLVM IR ``define`` in a
+    module's text."""
+    starts = [(m.start(), m.group(1) or m.group(2)) for m in _ENTRY.finditer(ptx)]
     out = {}
     for n, (pos, name) in enumerate(starts):
         body = ptx[pos:starts[n + 1][0] if n + 1 < len(starts) else len(ptx)]
@@ -48,7 +51,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dump = tempfile.mkdtemp(prefix="jf-xla-dump-")
     # must be set before jax initialises its backend
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+    # (the first GPU run found no *.ptx in a plain --xla_dump_to dump: ask for the LLVM IR too)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_dump_to={dump} --xla_gpu_dump_llvmir=true").strip()
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -64,14 +69,17 @@ def main(argv=None):
                                         impl="pallas").astype(jnp.float32).sum()
     jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
     kernels = {}
-    for f in sorted(Path(dump).glob("*.ptx")):
-        for name, counts in isa_counts(f.read_text()).items():
+    files = [f for f in sorted(Path(dump).rglob("*")) if f.suffix in (".ptx", ".ll")]
+    for f in files:
+        for name, counts in isa_counts(f.read_text(errors="replace")).items():
             if "jax_flash" in name or any(counts.values()):
                 kernels[name] = dict(counts, file=f.name)
     for name, c in kernels.items():
         print(f"{name:60s} " + "  ".join(f"{k} {c[k]}" for k in PATTERNS))
     if not kernels:
-        print(f"no PTX with matrix instructions found under {dump}:", sorted(os.listdir(dump))[:20])
+        suffixes = sorted({f.suffix for f in Path(dump).rglob("*")})
+        print(f"no PTX / LLVM IR with matrix instructions under {dump} ({len(files)} such files;"
+              f" suffixes there: {suffixes})")
     rec = dict(shape=list(shape), policy=args.policy, stable=args.stable, kernels=kernels,
                jax_version=jax.__version__, device=jax.devices()[0].device_kind)
     if args.out:
