@@ -44,3 +44,26 @@ def test_run_resume_and_table(tmp_path, capsys):
     R.main(["probes", str(run), "--steps", "4,6"])
     rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {run} |")]
     assert [l.split("|")[2].strip() for l in rows] == ["4", "6"]
+
+
+def test_lanes_pack_outputs_and_deadline_skips_arms(tmp_path):
+    """experiments/gpu/lanes.sh: one GPU index and OUT folder per lane, a lane past the time is killed
+    but the archive is still written; repro_seq.sh skips an arm that cannot finish before DEADLINE."""
+    import subprocess
+    import tarfile
+
+    out = tmp_path / "out"
+    lanes = ["echo hi > $OUT/a.txt; echo gpu=$CUDA_VISIBLE_DEVICES deadline=$DEADLINE",
+             "DEADLINE=$(date +%s) bash experiments/gpu/repro_seq.sh 100 fa2:0:10",
+             "sleep 60; echo never"]
+    env = dict(__import__("os").environ, OUT=str(out), RUNS=str(tmp_path / "runs"), JAX_PLATFORMS="cpu")
+    res = subprocess.run(["bash", "experiments/gpu/lanes.sh", "35", *lanes], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    with tarfile.open(out / "lanes.tgz") as tar:
+        names = set(tar.getnames())
+        log = {i: tar.extractfile(f"./g{i}.log").read().decode() for i in range(3)}
+    assert "./g0/a.txt" in names
+    assert "gpu=0 deadline=" in log[0]
+    assert "fa2-s0: skipped" in log[1]
+    assert "never" not in log[2]  # killed 20 s before the total
