@@ -121,7 +121,7 @@ def kernel_runner(cfg):
     def one(q, k, v):
         d = q.shape[-1]
         q2 = q[None].astype(pol.operand_dtype)
-        carry = tile.init_carry(1, d)
+        carry = tile.init_carry(1, d, cfg)
         s_tiles = []
         for j in range(n_tiles):
             kj = k[j * bk:(j + 1) * bk].astype(pol.operand_dtype)

@@ -81,7 +81,7 @@ def forward(q, k, v, cfg: Config):
         k_start = jnp.full((bsz, h, nq), j * bk, jnp.int32)
         return step(carry, qb, _spread(kb[:, :, j], nq), _spread(vb[:, :, j], nq), q_starts, k_start)
 
-    init = tile.Carry(*(jnp.broadcast_to(c, (bsz, h, nq) + c.shape) for c in tile.init_carry(bq, d)))
+    init = jax.tree.map(lambda c: jnp.broadcast_to(c, (bsz, h, nq) + c.shape), tile.init_carry(bq, d, cfg))
     carry = lax.fori_loop(0, kb.shape[2], body, init)
     o, lse = _over_tiles(lambda c: tile.finish(c, cfg))(carry)
     return _unblocks(o), lse.reshape(bsz, h, nq * bq)

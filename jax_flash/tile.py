@@ -66,9 +66,9 @@ class Carry(NamedTuple):
     m: jax.Array  # [bq] running max (the shift actually used)
     l: jax.Array  # [bq] running row sum of P̄
     acc: jax.Array  # [bq, D] running Σ P̄·V
-    # [bq] running max of the unshifted tile maxima; tracked only where the stable shift meets a
-    # tile-sum floor ("paper" policies), else left at -inf
-    m_raw: jax.Array
+    # [bq] running max of the unshifted tile maxima, kept only where the stable shift meets a tile-sum
+    # floor (stable "paper" policies; see forward_tile); None elsewhere, so other kernels carry nothing
+    m_raw: jax.Array | None = None
 
 
 # ---------------------------------------------------------------------------------------------- dots
@@ -155,9 +155,14 @@ def stable_shift(s, mask, r_m, cfg: Config):
     return jnp.where((ties > 1) & (r_m != 0), shifted, r_m)
 
 
-def init_carry(bq: int, d: int) -> Carry:
+def _floor_vs_shift(cfg: Config) -> bool:
+    return cfg.stable and bool(cfg.policy.tile_sum_floor)
+
+
+def init_carry(bq: int, d: int, cfg: Config) -> Carry:
+    m_raw = jnp.full((bq,), NEG_INF, jnp.float32) if _floor_vs_shift(cfg) else None
     return Carry(jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
-                 jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32))
+                 jnp.zeros((bq, d), jnp.float32), m_raw)
 
 
 def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
@@ -170,7 +175,7 @@ def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
     r_m = jnp.max(s, axis=1)
     m_tile = stable_shift(s, mask, r_m, cfg) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
-    floor_vs_shift = cfg.stable and bool(pol.tile_sum_floor)
+    floor_vs_shift = _floor_vs_shift(cfg)
     if floor_vs_shift:
         m_raw = jnp.maximum(m_raw, r_m)
     m_ref = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing unmasked yet: avoid -inf - -inf

@@ -3,8 +3,9 @@ the Hopper matrix instructions").
 
 Runs jax-flash forward+backward once with XLA dumping its GPU modules (``--xla_dump_to`` and
 ``--xla_gpu_dump_llvmir``), then counts, per dumped PTX or LLVM IR file (Triton writes its MMAs into
-the LLVM IR as inline PTX, so both carry the instruction names) and per kernel entry, Hopper's asynchronous warpgroup MMAs (``wgmma.mma_async``) against the
-older warp-level ``mma.sync`` / ``ldmatrix`` path, and the ``ex2`` exponentials.
+the LLVM IR as inline PTX, so both carry the instruction names) and per kernel entry, Hopper's
+asynchronous warpgroup MMAs (``wgmma.mma_async``) against the older warp-level ``mma.sync`` /
+``ldmatrix`` path, and the ``ex2`` exponentials.
 
     python -m experiments.gpu.kernel_isa [--shape 4x8192x16x128] [--policy fa2] [--stable] \
         [--out FILE.json]

@@ -59,7 +59,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int
         v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
         return tile.forward_tile(carry, q, k, v, mask, cfg)
 
-    carry = kv_loop(i, cfg, nk, body, tile.init_carry(bq, d))
+    carry = kv_loop(i, cfg, nk, body, tile.init_carry(bq, d, cfg))
     o, lse = tile.finish(carry, cfg)
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse
