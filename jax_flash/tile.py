@@ -191,8 +191,8 @@ def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
             floored = jnp.where(any_key, floored, tile_sum)
         if floor_vs_shift:
             # A row the stable shift has moved (m above every unshifted tile max) has ℓ as small as
-            # e⁻²⁰; the floor on a later, weaker tile would add a fake 1e-10 to it (+5 %: O shrinks
-            # towards 0, a biased error). The authors' code does that; here such rows keep the exact
+            # 2·e⁻²⁰ ≈ 4e-9; the floor on a later, weaker tile would add a fake 1e-10 to it (+2.5 % per
+            # tile: O shrinks towards 0, a biased error). The authors' code does that; here such rows keep the exact
             # sum. Rows never shifted keep the authors' bits.
             floored = jnp.where(m_new > m_raw, tile_sum, floored)
         tile_sum = floored
