@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Hardware counters of the jax-flash kernels (Nsight Compute), to see what bounds them: issue 6's
+# stable forward costs +14 % at 4×8192 causal but +1 % at 8×2048 with the same launch, and the
+# forward's time hardly moves with tile size or warps (bench/results/*-tune-log.json).
+# Usage on the device machine: bash experiments/gpu/ncu_profile.sh [CASE ...]
+# CASE = SHAPE:POLICY:STABLE:PASS, e.g. 4x8192x16x128:fa2:1:fwd (default: the four below).
+# Writes $OUT/ncu/<case>.csv (details page: speed of light, pipes, warp stalls, instruction mix)
+# and <case>-raw.csv (every raw metric), and a one-line summary per kernel to stdout.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT/ncu"
+CASES=("$@")
+[ ${#CASES[@]} -eq 0 ] && CASES=(4x8192x16x128:fa2:0:fwd+bwd 4x8192x16x128:fa2:1:fwd
+                                 8x2048x16x128:fa2:0:fwd 8x2048x16x128:fa2:1:fwd)
+SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
+          --section InstructionStats --section Occupancy --section LaunchStats --section SchedulerStats"
+DRIVER=$(mktemp --suffix=.py)
+cat > "$DRIVER" <<'PY'
+# Runs one attention pass three times; the profiler skips the first (compile, warm-up) call's kernels.
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import jax_flash as jf
+shape, policy, stable, pss = sys.argv[1:5]
+shape = tuple(int(x) for x in shape.split("x"))
+q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.bfloat16) for i in range(3))
+f = lambda q, k, v: jf.attention(q, k, v, policy=policy, stable=stable == "1", impl="pallas")
+if pss == "fwd":
+    g = jax.jit(f)
+else:
+    g = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+for _ in range(3):
+    jax.block_until_ready(g(q, k, v))
+PY
+for case in "${CASES[@]}"; do
+  IFS=: read -r shape policy stable pss <<< "$case"
+  n=$([ "$pss" = fwd ] && echo 1 || echo 3)  # jax_flash kernels per call: fwd; or fwd, dK/dV, dQ
+  name=$(echo "$case" | tr ':+' '__')
+  rep=$(mktemp -d)/prof
+  # shellcheck disable=SC2086
+  timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --target-processes all -k regex:jax_flash \
+    --launch-skip "$n" --launch-count "$n" $SECTIONS -o "$rep" \
+    python3 "$DRIVER" "$shape" "$policy" "$stable" "$pss" > "$OUT/ncu/$name.log" 2>&1
+  echo "$case: ncu exit $?"
+  if [ -f "$rep.ncu-rep" ]; then
+    ncu --import "$rep.ncu-rep" --csv --page details > "$OUT/ncu/$name.csv" 2>/dev/null
+    ncu --import "$rep.ncu-rep" --csv --page raw > "$OUT/ncu/$name-raw.csv" 2>/dev/null
+    # the few numbers that answer "what bounds it", per kernel
+    python3 - "$OUT/ncu/$name.csv" <<'PY'
+import csv, sys
+want = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Registers Per Thread",
+        "Achieved Occupancy", "Issue Slots Busy", "Executed Ipc Active", "No Eligible")
+rows = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    if any(r.get("Metric Name", "").startswith(w) for w in want):
+        rows.setdefault(r["Kernel Name"][:40], []).append(f"{r['Metric Name']} {r['Metric Value']} {r.get('Metric Unit', '')}")
+for k, v in rows.items():
+    print(" ", k, "|", "; ".join(v))
+PY
+  else
+    tail -5 "$OUT/ncu/$name.log"
+  fi
+done
+rm -f "$DRIVER"
