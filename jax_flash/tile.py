@@ -142,16 +142,25 @@ def stable_shift(s, mask, r_m, cfg: Config):
     """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
 
     Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
-    use r_m. Guard: the shift never exceeds r_m + MAX_SHIFT_NATS, so the tied entries' P̄ stays ≥ e⁻²⁰
-    and no row sum underflows (or hits the 1e-10 clamp) however large β·r_m is; ``forward_tile``
-    skips the clamp on later tiles of a shifted row.
+    use r_m. Guard: where that moves the shift more than MAX_SHIFT_NATS above r_m, the offset is folded
+    back into [MAX_SHIFT_NATS / 2, MAX_SHIFT_NATS) (modulo MAX_SHIFT_NATS / 2), so the tied entries'
+    P̄ stays ≥ e⁻²⁰ and no row sum underflows (or hits the 1e-10 clamp; ``forward_tile`` skips the
+    clamp on later tiles of a shifted row). The offset must not be a constant: a tied P̄ = e^-offset
+    is rounded to BF16 for P̄·V while ℓ sums it unrounded, so O carries the factor bf16(P̄)/P̄ — a
+    dither while the offset varies with r_m, as (β − 1)·r_m does, but a bias of up to ±2⁻⁹ in every
+    guarded row if the offset were fixed (the earlier cap at r_m + 20 nats: +2.5e-3 relative;
+    docs/NUMERICS.md). Folding keeps it varying with r_m.
     """
     pol = cfg.policy
     ties = tie_count(s, mask, r_m, cfg)
     # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
     m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
     target = jnp.where(r_m > 0, round_to(cfg.beta * r_m, m_dtype), 0.0)
-    shifted = jnp.minimum(target, round_to(r_m + cfg.max_shift, m_dtype))
+    cap = cfg.max_shift
+    over = target - r_m - cap  # > 0: the paper's shift would go past the guard
+    # over mod cap/2 with a multiply and floor (the same IEEE operations on every backend)
+    folded = cap / 2 + (over - jnp.floor(over * (2.0 / cap)) * (cap / 2))
+    shifted = jnp.where(over > 0, round_to(r_m + folded, m_dtype), target)
     return jnp.where((ties > 1) & (r_m != 0), shifted, r_m)
 
 
