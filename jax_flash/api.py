@@ -34,7 +34,8 @@ def attention(q, k, v, *, causal=True, stable=False, beta=2.0, sm_scale=None, po
       stable: apply the paper's fix (Qiu & Yao 2025, Algorithm 1): in each key tile, a row whose
         maximum r_m is reached by ≥ 2 entries is shifted by β·r_m (r_m > 0) or 0 (r_m < 0) instead of
         r_m, so no P̄ = exp(S − m) is exactly 1 and Ō stops picking up V rows exactly. Exact in real
-        arithmetic. Underflow guard: the shift is capped at r_m + 20 nats, so tied entries keep
+        arithmetic. Underflow guard: an offset (β − 1)·r_m above 20 nats is folded back into
+        [10, 20) nats (varying with r_m: a constant offset would bias O), so tied entries keep
         P̄ ≥ e⁻²⁰; for finite inputs O and the gradients stay finite and accurate for any β and any
         score size (the authors' kernel collapses O towards 0 once (β − 1)·r_m ≳ 23). On tie-free
         inputs the result is bitwise identical to ``stable=False``.

@@ -47,10 +47,11 @@ SR_POLICIES = ("paper_sr", "fa2_sr", "paper_sr_all")
 
 LOG2E = math.log2(math.e)
 
-# The stable shift moves a tied row's max by at most this many nats (the underflow guard): a tied entry
-# then has P̄ ≥ e^-20 ≈ 2e-9, far above FP32's smallest normal (1.2e-38) and above the authors' 1e-10
-# tile-sum clamp, so no row sum underflows or gets clamped (and the clamp is skipped on the later tiles
-# of a shifted row: tile.forward_tile). Below the cap the shift is exactly the paper's (β·r_m or 0).
+# The stable shift moves a tied row's max by at most this many nats (the underflow guard; larger offsets
+# are folded back into [MAX/2, MAX): tile.stable_shift): a tied entry then has P̄ ≥ e^-20 ≈ 2e-9, far
+# above FP32's smallest normal (1.2e-38) and above the authors' 1e-10 tile-sum clamp, so no row sum
+# underflows or gets clamped (and the clamp is skipped on the later tiles of a shifted row:
+# tile.forward_tile). Below it the shift is exactly the paper's (β·r_m or 0).
 MAX_SHIFT_NATS = 20.0
 
 
