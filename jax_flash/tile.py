@@ -119,20 +119,28 @@ def scores(q, k, cfg: Config):
 
 def tie_count(s, mask, r_m, cfg: Config):
     """Per row, the number of unmasked entries "at the max" r_m (masked entries never count;
-    ``mask=None``: a tile without masked entries).
+    ``mask=None``: a tile without masked entries, or one whose masked entries are −inf in ``s``).
 
     ``p_one``: entries whose P̄ = exp(S − r_m) rounds to exactly 1.0 in the tie dtype (BF16: S within
     ~2⁻⁹ of r_m) — the entries that put exact copies of V rows into Ō. ``paper``: the authors' test
     ``S ≥ bf16(r_m − 1e-3)`` on BF16 scores.
+
+    Both are one compare per entry against a per-row threshold: the count is the stable forward's
+    only per-entry extra work (docs/PERF_NOTES.md v8).
     """
     pol = cfg.policy
     if pol.tie_test == "paper":
-        at_max = s >= round_to(r_m - 1e-3, pol.lp_dtype)[:, None]
+        threshold = round_to(r_m - 1e-3, pol.lp_dtype)
     else:
         # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
-        # ⟺  x ≥ log(1 − eps/4): a compare instead of an exp per entry, the same on every backend.
+        # ⟺  x ≥ log(1 − eps/4), i.e. S ≥ r_m + log(1 − eps/4): a compare instead of an exp per entry.
+        # The threshold is rounded to FP32 once per row, so it may admit the one FP32 value just below
+        # the exact boundary (S − r_m is exact there, Sterbenz): a near-tie 2⁻⁹ below the max.
         eps = float(jnp.finfo(pol.tie_dtype).eps)
-        at_max = (s - r_m[:, None]) >= _log(1.0 - eps / 4.0, pol)
+        threshold = r_m + _log(1.0 - eps / 4.0, pol)
+    # a row with nothing unmasked (r_m = −inf) has no ties: −inf ≥ −inf must not count its −inf entries
+    threshold = jnp.where(r_m == NEG_INF, jnp.inf, threshold)
+    at_max = s >= threshold[:, None]
     if mask is not None:
         at_max = mask & at_max
     return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
@@ -182,7 +190,8 @@ def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
     r_m = jnp.max(s, axis=1)
-    m_tile = stable_shift(s, mask, r_m, cfg) if cfg.stable else r_m
+    # masked entries are −inf in s by now and never reach a tie threshold: no mask needed in the count
+    m_tile = stable_shift(s, None, r_m, cfg) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
     floor_vs_shift = _floor_vs_shift(cfg)
     if floor_vs_shift:
