@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import tile
+from .rounding import cast_rounded
 from .tile import Config
 
 
@@ -154,5 +155,5 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
 
     dq = lax.fori_loop(0, nk, q_body, jnp.zeros((bsz, h, nq, bq, d), jnp.float32))
     scale = cfg.sm_scale
-    return tuple((g * s).astype(out_dtype)
+    return tuple(cast_rounded(g * s, out_dtype)  # rounded as the kernels write them, XLA or not
                  for g, s in ((_unblocks(dq), scale), (_unblocks(dk), scale), (_unblocks(dv), 1.0)))

@@ -3,13 +3,37 @@
 Low-precision values are carried in FP32 containers and rounded explicitly (``round_to``): an FP32
 operation followed by a rounding to BF16 is exactly what PyTorch does for a BF16 operation (it computes
 in FP32 "opmath" and rounds once), and it lowers to every backend (XLA, Triton, interpret mode).
+
+Why not simply ``x.astype(bf16).astype(f32)``: XLA (CPU and GPU, under ``jit``) may delete such a
+convert pair — its default ``xla_allow_excess_precision`` lets it keep the FP32 value — and it does so
+depending on fusion (e.g. after a row sum: ``jnp.sum(e, 1).astype(bf16).astype(f32)`` comes back
+unrounded). An emulation that silently skips a rounding is wrong without any error, so outside Triton
+kernels ``round_to`` uses ``lax.reduce_precision``, which XLA keeps. Triton compiles the conversions
+as written, and Pallas' Triton lowering has no ``reduce_precision``: kernel bodies compiled for the
+GPU (``native_casts``) use the casts. ``cast_rounded`` is the same guarantee for a matmul operand.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+# True while a Pallas kernel body is traced for the Triton backend (set by pallas/common.py)
+_NATIVE_CASTS = contextvars.ContextVar("jax_flash_native_casts", default=False)
+
+
+@contextlib.contextmanager
+def native_casts(enabled: bool = True):
+    """Round with plain dtype conversions inside the block (Triton kernel bodies; see above)."""
+    token = _NATIVE_CASTS.set(enabled)
+    try:
+        yield
+    finally:
+        _NATIVE_CASTS.reset(token)
 
 
 def round_to(x, dtype):
@@ -17,9 +41,31 @@ def round_to(x, dtype):
 
     A no-op for FP32 and wider dtypes, so policies can call it unconditionally.
     """
-    if np.dtype(dtype).itemsize >= 4:
+    dtype = np.dtype(dtype)
+    if dtype.itemsize >= 4:
         return x
-    return x.astype(dtype).astype(jnp.float32)
+    if _NATIVE_CASTS.get():
+        return x.astype(dtype).astype(jnp.float32)
+    x = jnp.asarray(x, jnp.float32)
+    fi = jnp.finfo(dtype)
+    y = lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    if fi.nexp < 8:
+        # reduce_precision flushes the narrow format's subnormals to zero; the IEEE conversion keeps
+        # them (FP16: multiples of 2⁻²⁴ below 2⁻¹⁴), rounding half to even — scaling by a power of two
+        # is exact
+        step = float(fi.smallest_subnormal)
+        sub = jnp.round(x * (1.0 / step)) * step
+        y = jnp.where(jnp.abs(x) < float(fi.smallest_normal), sub, y)
+    return y
+
+
+def cast_rounded(x, dtype):
+    """``x`` as a ``dtype`` array (e.g. a matmul operand) whose values are certainly rounded to
+    ``dtype``, even where XLA would elide the conversion (see the module docstring)."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize >= 4 or _NATIVE_CASTS.get():
+        return x.astype(dtype)
+    return round_to(x, dtype).astype(dtype)
 
 
 # ------------------------------------------------------------------------------- stochastic rounding

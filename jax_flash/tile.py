@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .policy import LOG2E, MAX_SHIFT_NATS, Policy
-from .rounding import round_to, stochastic_round_to
+from .rounding import cast_rounded, round_to, stochastic_round_to
 
 NEG_INF = float("-inf")
 
@@ -214,7 +214,7 @@ def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
             # sum. Rows never shifted keep the authors' bits.
             floored = jnp.where(m_new > m_raw, tile_sum, floored)
         tile_sum = floored
-    pv = dot_nn(p.astype(pol.p_dtype), v, pol)
+    pv = dot_nn(cast_rounded(p, pol.p_dtype), v, pol)
     if pol.round_tile_pv:
         pv = _round_o(pv, pol, salt=1)
     if pol.lp_accumulators:
@@ -290,10 +290,10 @@ def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask, cfg: Config):
     """Accumulate one query block's contribution to (dK, dV) of a key tile. dK lacks the sm_scale."""
     pol = cfg.policy
     p = probabilities(q, k, lse, mask, cfg)
-    dv = dv + dot_tn(p.astype(pol.p_dtype), do, pol)
+    dv = dv + dot_tn(cast_rounded(p, pol.p_dtype), do, pol)
     dp = dot_nt(do, v, pol)
     ds = p * (dp - delta[:, None])
-    dk = dk + dot_tn(ds.astype(pol.p_dtype), q, pol)
+    dk = dk + dot_tn(cast_rounded(ds, pol.p_dtype), q, pol)
     return dk, dv
 
 
@@ -303,7 +303,7 @@ def backward_tile_dq(dq, q, k, v, do, lse, delta, mask, cfg: Config):
     p = probabilities(q, k, lse, mask, cfg)
     dp = dot_nt(do, v, pol)
     ds = p * (dp - delta[:, None])
-    return dq + dot_nn(ds.astype(pol.p_dtype), k, pol)
+    return dq + dot_nn(cast_rounded(ds, pol.p_dtype), k, pol)
 
 
 def tile_mask(q_start, k_start, bq: int, bk: int, cfg: Config):

@@ -1,12 +1,13 @@
 """The per-tile numerics: rounding helper, tie test, stable shift, and the rounding bias itself."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
 import jax_flash as jf
-from jax_flash import diagnostics, tile
+from jax_flash import diagnostics, rounding, tile
 from jax_flash.api import _make_config
 from jax_flash.policy import LOG2E, MAX_SHIFT_NATS
 
@@ -17,6 +18,32 @@ def config(policy="fa2", stable=True, beta=2.0, block_k=16, dtype=BF16):
     x = jnp.zeros((1, 16, 1, 32), dtype)
     return _make_config(x, x, x, causal=False, stable=stable, beta=beta, sm_scale=None,
                         policy=policy, delta="o", impl="jnp", block_q=16, block_k=block_k)[0]
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float16])
+def test_round_to_survives_jit(rng, dtype):
+    """``round_to`` / ``cast_rounded`` under jit give IEEE round-to-nearest-even (NumPy's conversion),
+    subnormals, overflow and NaN included — also right after a row sum, where XLA deletes a plain
+    f32 → bf16 → f32 convert pair (``xla_allow_excess_precision``; rounding.py), so an emulated BF16
+    accumulator would silently stay FP32."""
+    np_dtype = ml_dtypes.bfloat16 if dtype == BF16 else np.float16
+    fi = jnp.finfo(dtype)
+    edges = [0.0, -0.0, np.inf, -np.inf, np.nan, float(fi.max), float(fi.max) * 1.002,
+             float(fi.smallest_normal), float(fi.smallest_subnormal) * 1.5,
+             float(fi.smallest_subnormal) * 0.5, float(fi.smallest_subnormal) * 0.51, 1e-40, 1 + 2.0**-8]
+    x = np.concatenate([edges, rng.standard_normal(20000) * 10.0 ** rng.uniform(-45, 38, 20000)])
+    x = x.astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = x.astype(np_dtype).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x: rounding.round_to(x, dtype))(x))
+    np.testing.assert_array_equal(got, want)
+    got_cast = np.asarray(jax.jit(lambda x: rounding.cast_rounded(x, dtype))(x).astype(jnp.float32))
+    np.testing.assert_array_equal(got_cast, want)
+
+    e = jnp.asarray(rng.standard_normal((4096, 512)), jnp.float32)  # (at 64 rows XLA keeps the pair)
+    row_sum = np.asarray(jax.jit(lambda e: jnp.sum(jnp.exp(e), axis=1))(e))
+    got = np.asarray(jax.jit(lambda e: rounding.round_to(jnp.sum(jnp.exp(e), axis=1), dtype))(e))
+    np.testing.assert_array_equal(got, row_sum.astype(np_dtype).astype(np.float32))
 
 
 def test_paper_worked_rounding_example():

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from .. import tile
 from ..tile import Config
-from .common import compiler_params, interpret_mode
+from .common import compiler_params, interpret_mode, kernel_body
 from .forward import kv_loop
 
 
@@ -45,6 +45,7 @@ def _name(kind, cfg):
 
 
 # ------------------------------------------------------------------------------------------------ δ
+@kernel_body
 def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Config, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)
@@ -85,6 +86,7 @@ def delta(q, k, v, o, do, lse, cfg: Config):
 
 
 # ---------------------------------------------------------------------------------------- dK and dV
+@kernel_body
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: Config,
                  nq: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
@@ -117,6 +119,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
 
 # ---------------------------------------------------------------------------------------------- dQ
+@kernel_body
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: Config, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)

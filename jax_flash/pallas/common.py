@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+
+from ..rounding import native_casts
 
 
 def interpret_mode() -> bool:
     """Pallas has no compiled CPU backend: off-GPU the kernels run in interpret mode."""
     return jax.default_backend() != "gpu"
+
+
+def kernel_body(fn):
+    """Decorator for Pallas kernel bodies: compiled for Triton they round with plain conversions
+    (``rounding.native_casts``); in interpret mode, which XLA compiles, they keep ``round_to``'s
+    XLA-proof rounding."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with native_casts(not interpret_mode()):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def default_launch(head_dim: int, block_q: int, block_k: int, *, backward: bool = False,

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 from .. import tile
 from ..tile import Config
-from .common import compiler_params, interpret_mode
+from .common import compiler_params, interpret_mode, kernel_body
 
 
 def _num_kv_tiles(i, cfg: Config, nk: int):
@@ -48,6 +48,7 @@ def kv_loop(i, cfg: Config, nk: int, body, init):
     return lax.fori_loop(n_full, n, masked, carry)
 
 
+@kernel_body
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)
