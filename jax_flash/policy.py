@@ -27,6 +27,12 @@ Presets (resolved against the input dtype by :func:`make_policy`):
     BF16 O accumulator and ``O /= ℓ``; for "fa2_sr" the single final rounding of O to the input dtype
     (hence also the O kept for δ). ℓ, m, S and P̄ keep round-to-nearest-even. BF16 (and FP32) inputs
     only. Every other rounding point is the base policy's.
+``"paper_fp32acc"``
+    "paper" with FP32 accumulation of Ō: each tile's P̄·V output and the O, ℓ and m accumulators
+    (and O /= ℓ) in FP32, as production kernels keep them; scores, S − m, the tie test, the clamp
+    and the 512-wide tiles stay the authors'. The stored O is still BF16. The CPU ablation puts the
+    bias the stable shift leaves under "paper" in the BF16 rounding of Ō (docs/MECHANISM.md §5):
+    this preset is its training test.
 ``"paper_sr_all"``
     "paper_sr" plus stochastic rounding of the BF16 row-sum accumulator ℓ: with Ō alone stochastically
     rounded, ℓ = bf16(ties + remainder mass) still drops the remainder and biases O away from zero
@@ -41,7 +47,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-POLICIES = ("fa2", "paper", "fp32", "paper_sr", "fa2_sr", "paper_sr_all")
+POLICIES = ("fa2", "paper", "fp32", "paper_sr", "fa2_sr", "paper_sr_all", "paper_fp32acc")
 # stochastic-rounding variants of "paper" and "fa2" (see above)
 SR_POLICIES = ("paper_sr", "fa2_sr", "paper_sr_all")
 
@@ -97,6 +103,9 @@ def make_policy(name: str, dtype) -> Policy:
         base = make_policy(name.split("_")[0], dtype)
         return dataclasses.replace(base, name=name, stochastic_rounding=True,
                                    stochastic_row_sum=name.endswith("_all"))
+    if name == "paper_fp32acc":
+        return dataclasses.replace(make_policy("paper", dtype), name=name, round_tile_pv=False,
+                                   lp_accumulators=False)
     f32 = np.dtype(np.float32)
     bf16 = np.dtype(jnp.bfloat16)
     if name == "fa2":
