@@ -242,10 +242,12 @@ def test_stable_with_fully_masked_key_tiles(rng, policy, impl):
     refs = jf.reference_numpy(q, k, v, do)
     for name, x, b, ref in zip(("O", "dQ", "dK", "dV"), stab, base, refs):
         assert np.all(np.isfinite(np.asarray(x, np.float32))), name
-        # dQ, dK of rows saturated by the tied pair cancel to ~0 (see check_large_tied_max): there the
-        # stable result is held to the baseline's accuracy rather than to a fixed tolerance
-        tol = FWD_TOL[policy] if name == "O" else GRAD_TOL[policy]
-        assert rel(x, ref) < max(tol, 1.5 * rel(b, ref)), (name, rel(x, ref), rel(b, ref))
+        # dQ, dK of rows saturated by the tied pair cancel to ~0 and carry the δ error of a BF16 O
+        # (see check_large_tied_max), which the shift's dither makes larger: they are held to 3× the
+        # baseline's error (measured over 60 seeds: up to 1.6×), O and dV to the fixed tolerances
+        tol = {"O": FWD_TOL[policy], "dV": GRAD_TOL[policy]}.get(
+            name, max(GRAD_TOL[policy], 3 * rel(b, ref)))
+        assert rel(x, ref) < tol, (name, rel(x, ref), rel(b, ref))
     if policy != "fp32":  # (under "fp32" the shift moves O by less than its final BF16 rounding)
         assert np.any(np.asarray(stab[0]) != np.asarray(base[0]))  # the shift fired somewhere
 

@@ -198,8 +198,9 @@ def test_quick_csv(tmp_path):
 # ------------------------------------------------------------------------ the "paper" ablation
 def test_paper_ablation_cells(rng):
     """experiments/paper_ablation.py on fresh rows (fewer than its default): the "paper" tie-row bias
-    is there without the shift (t < −20) and mostly gone with it; a rounding switched off that cannot
-    matter for one key tile (the tile-sum clamp) changes no bit (at 4,096 rows it once did: XLA had
+    is there without the shift (t < −20) and mostly gone with it (at most half left); a rounding
+    switched off that cannot matter for one key tile (the tile-sum clamp) changes no bit (at 4,096
+    rows it once did: XLA had
     deleted the BF16 rounding of ℓ in that variant's graph — jax_flash/rounding.py, guarded by
     tests/test_tile.py::test_round_to_survives_jit); keeping Ō in FP32 leaves the tie-free bias of the
     final O rounding alone, about half of "paper"'s."""
@@ -211,7 +212,8 @@ def test_paper_ablation_cells(rng):
     paper, no_clamp = pa.VARIANTS[0][0], "no 1e-10 tile-sum clamp"
     fp32_obar = "P̄·V output and accumulators in FP32"
     assert res[lo, paper, 0]["o_tie_t"] < -20
-    assert abs(res[lo, paper, 1]["o_tie_mean"]) < abs(res[lo, paper, 0]["o_tie_mean"]) / 3
+    # (÷ 2: the stable mean, ~2e-4, has a standard error of ~1.5e-4 at 512 tied rows)
+    assert abs(res[lo, paper, 1]["o_tie_mean"]) < abs(res[lo, paper, 0]["o_tie_mean"]) / 2
     for top in ("6–10", "20–30"):
         for stable in (0, 1):
             for col in pa.COLUMNS:
