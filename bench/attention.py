@@ -67,7 +67,14 @@ def _jax_pass(f, pss):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def _torch_records(shape, causal, passes, reps, flops, base):
+def pass_flops(shape, causal, pss):
+    """FLOPs of one call (ANCHORS.md): 4·B·H·T²·D, half of it causal; fwd+bwd counted as 3.5× fwd."""
+    b, t, h, d = shape
+    fwd = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
+    return fwd if pss == "fwd" else 3.5 * fwd
+
+
+def _torch_records(shape, causal, passes, reps, base):
     """PyTorch SDPA restricted to its FlashAttention-2 backend, [B, H, T, D] layout."""
     try:
         import torch
@@ -90,7 +97,7 @@ def _torch_records(shape, causal, passes, reps, flops, base):
             return o
 
         ms = _timed(lambda: run(), (), reps, sync=lambda _: torch.cuda.synchronize())
-        fl = flops if pss == "fwd" else 3.5 * flops
+        fl = pass_flops(shape, causal, pss)
         out.append(dict(base, impl="torch_flash", policy=None, stable=None, **{"pass": pss}, ms=ms,
                         tflops=fl / ms / 1e9, torch_version=torch.__version__))
     return out
@@ -100,11 +107,9 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
     records = []
     dev = jax.devices()[0].device_kind
     for shape in shapes:
-        b, t, h, d = shape
         rng = np.random.default_rng(0)
         q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
         for causal in causal_modes:
-            flops = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
             base = dict(shape=list(shape), causal=causal, jax_version=jax.__version__, device=dev)
             for impl, policy, stable, f in _jax_impls(causal):
                 for pss in passes:
@@ -114,11 +119,11 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
                         log(f"{impl} {policy} {shape} {pss}: failed: {type(e).__name__}: "
                             f"{str(e)[:200]}")
                         continue
-                    fl = flops if pss == "fwd" else 3.5 * flops
+                    fl = pass_flops(shape, causal, pss)
                     records.append(dict(base, impl=impl, policy=policy, stable=stable,
                                         **{"pass": pss}, ms=ms, tflops=fl / ms / 1e9))
                     _log_record(records[-1], log)
-            for rec in _torch_records(shape, causal, passes, reps, flops, base):
+            for rec in _torch_records(shape, causal, passes, reps, base):
                 records.append(rec)
                 _log_record(rec, log)
     return records

@@ -128,7 +128,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
 
     # dK, dV: vmap over key tiles, loop over query blocks (as the dK/dV kernel does).
     def kv_step(acc, k_j, v_j, k_start, q_i, do_i, l_i, d_i, q_start):
-        mask = tile.tile_mask(q_start, k_start, bq, bk, cfg)
+        mask = tile.tile_mask(q_start, k_start, bq, bk, cfg, transposed=True)
         return tile.backward_tile_dkdv(*acc, q_i, k_j, v_j, do_i, l_i, d_i, mask, cfg)
 
     kv_step = _over_tiles(kv_step)

@@ -87,11 +87,6 @@ def dot_nt(a, b, pol):  # [m, k] @ [n, k]ᵀ
                            precision=_precision(pol))
 
 
-def dot_tn(a, b, pol):  # [k, m]ᵀ @ [k, n]
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-                           precision=_precision(pol))
-
-
 def _round_o(x, pol: Policy, salt: int):
     """A rounding of Ō or O to the policy's lp dtype: stochastic under a ``*_sr`` policy, else RNE."""
     if pol.stochastic_rounding:
@@ -257,6 +252,13 @@ def probabilities(q, k, lse, mask, cfg: Config):
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
+def probabilities_t(k, q, lse, mask_t, cfg: Config):
+    """Pᵀ ``[bk, bq]``: ``probabilities`` computed transposed (Sᵀ = scale·k·qᵀ, the same entries),
+    ``mask_t`` the transposed tile mask."""
+    p_t = _exp(scores(k, q, cfg) - lse[None, :], cfg.policy)
+    return p_t if mask_t is None else jnp.where(mask_t, p_t, 0.0)
+
+
 def delta_tile(acc, q, k, v, do, lse, mask, cfg: Config):
     """Accumulate one key tile into the δ pass for ``delta`` = "dpp" or "o_hp".
 
@@ -286,14 +288,19 @@ def delta_from_o(o, do):
     return jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
 
 
-def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask, cfg: Config):
-    """Accumulate one query block's contribution to (dK, dV) of a key tile. dK lacks the sm_scale."""
+def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask_t, cfg: Config):
+    """Accumulate one query block's contribution to (dK, dV) of a key tile. dK lacks the sm_scale.
+
+    Computed transposed, keys along rows (Sᵀ = K·Qᵀ, ``mask_t`` ``[bk, bq]``): then Pᵀ and dSᵀ are the
+    left operands of dV += Pᵀ·dO and dK += dSᵀ·Q as they are, where the untransposed form makes the
+    compiled kernel transpose two score tiles per step through shared memory (PERF_NOTES v9).
+    """
     pol = cfg.policy
-    p = probabilities(q, k, lse, mask, cfg)
-    dv = dv + dot_tn(cast_rounded(p, pol.p_dtype), do, pol)
-    dp = dot_nt(do, v, pol)
-    ds = p * (dp - delta[:, None])
-    dk = dk + dot_tn(cast_rounded(ds, pol.p_dtype), q, pol)
+    p_t = probabilities_t(k, q, lse, mask_t, cfg)
+    dv = dv + dot_nn(cast_rounded(p_t, pol.p_dtype), do, pol)
+    dp_t = dot_nt(v, do, pol)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = dk + dot_nn(cast_rounded(ds_t, pol.p_dtype), q, pol)
     return dk, dv
 
 
@@ -306,10 +313,13 @@ def backward_tile_dq(dq, q, k, v, do, lse, delta, mask, cfg: Config):
     return dq + dot_nn(cast_rounded(ds, pol.p_dtype), k, pol)
 
 
-def tile_mask(q_start, k_start, bq: int, bk: int, cfg: Config):
-    """[bq, bk] mask of a tile: keys inside kv_len, and key ≤ query when causal."""
-    rows = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    cols = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+def tile_mask(q_start, k_start, bq: int, bk: int, cfg: Config, *, transposed: bool = False):
+    """[bq, bk] mask of a tile: keys inside kv_len, and key ≤ query when causal.
+    ``transposed``: the same mask as [bk, bq] (keys along rows), built directly."""
+    q_axis, k_axis = (1, 0) if transposed else (0, 1)
+    shape = (bk, bq) if transposed else (bq, bk)
+    rows = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    cols = k_start + lax.broadcasted_iota(jnp.int32, shape, k_axis)
     mask = cols < cfg.kv_len
     if cfg.causal:
         mask = mask & (cols <= rows)

@@ -4,6 +4,7 @@ GPU by `python -m bench.attention`, never asserted in tests."""
 import jax
 import pytest
 
+from bench import ab
 from bench import attention as bench
 
 KEYS = {"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device"}
@@ -190,3 +191,19 @@ define internal void @helper() {
         "jax_flash_dq_fa2": {"wgmma": 1, "mma_sync": 0, "ldmatrix": 0, "ex2": 0},
         "helper": {"wgmma": 0, "mma_sync": 0, "ldmatrix": 0, "ex2": 0},
     }
+
+
+def test_ab_times_an_archived_revision_beside_the_working_tree(tmp_path):
+    """bench.ab imports `jax_flash/` of a git revision as its own package (not the working tree's
+    modules under another name) and times both versions in one run."""
+    import jax_flash
+
+    root = ab.prepare("HEAD", out=tmp_path / "rev")
+    old = ab.load_old(root, name="jax_flash_ab_probe")
+    assert old.__file__.startswith(str(tmp_path)) and old.tile is not jax_flash.tile
+    assert old.tile.__name__ == "jax_flash_ab_probe.tile"
+    recs = ab.run(root, [(1, 64, 2, 32)], ["fwd+bwd"], [False, True], rounds=1, reps=1)
+    assert [(r["impl"], r["stable"]) for r in recs] == [
+        ("jax_flash@old", False), ("jax_flash@new", False), ("jax_flash@old", True),
+        ("jax_flash@new", True)]
+    assert all(KEYS <= set(r) and r["ms"] > 0 for r in recs)

@@ -1,5 +1,7 @@
 """The per-tile numerics: rounding helper, tie test, stable shift, and the rounding bias itself."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -202,3 +204,15 @@ def test_rounding_bias_on_tied_rows(rng):
     assert stats["fa2", False][0] == pytest.approx(stats["round"][0], rel=0.2)
     assert abs(stats["fa2", True][1]) < 6
     assert abs(stats["fa2", True][0]) < stats["fa2", False][0] / 3
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_transposed_tile_mask_is_the_transpose(causal):
+    """The dK/dV tile works keys-along-rows; its mask must be exactly the forward mask transposed,
+    on and off the diagonal and past kv_len."""
+    cfg = dataclasses.replace(config(), causal=causal, kv_len=100)
+    for q_start, k_start in [(0, 0), (64, 32), (32, 64), (96, 96), (128, 64)]:
+        m = tile.tile_mask(q_start, k_start, 32, 16, cfg)
+        mt = tile.tile_mask(q_start, k_start, 32, 16, cfg, transposed=True)
+        assert mt.shape == (16, 32)
+        np.testing.assert_array_equal(np.asarray(mt), np.asarray(m).T)

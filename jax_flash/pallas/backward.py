@@ -101,7 +101,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         do = do_ref[rows, :].astype(pol.operand_dtype)
         return tile.backward_tile_dkdv(*acc, q, k, v, do, lse_ref[rows], delta_ref[rows], mask, cfg)
 
-    masked = lambda i, acc: body(i, acc, tile.tile_mask(i * bq, j * bk, bq, bk, cfg))
+    masked = lambda i, acc: body(i, acc, tile.tile_mask(i * bq, j * bk, bq, bk, cfg, transposed=True))
     # Query blocks entirely above the causal diagonal see none of this key tile.
     first = (j * bk) // bq if cfg.causal else 0
     zeros = jnp.zeros((bk, d), jnp.float32)
