@@ -51,6 +51,12 @@ class Config:
     # loop without mask arithmetic. The same operations on the same values in the same order; a
     # launch choice of the tuning table (pallas/tuning.py), off by default.
     split_diagonal: bool = False
+    # Pallas backward: rows each program keeps resident — keys per dK/dV program, queries per dQ
+    # program — a multiple of block_q and block_k (None: one tile). The streamed tiles stay
+    # block_q × block_k, so every gradient row sums the same tile products in the same order (the
+    # extra fully masked tiles a larger block visits add exact zeros): a launch choice of the tuning
+    # table, not a change of numerics.
+    bwd_block: int | None = None
 
     @property
     def score_scale(self) -> float:

@@ -212,6 +212,65 @@ def test_split_diagonal_is_the_same_arithmetic(rng, policy, causal, tiles):
             assert np.all(np.abs(a - b) <= bound), (name, delta, np.max(np.abs(a - b)))
 
 
+BWD_BLOCK_FAST = [("fa2", True, (16, 16), 32, False), ("fa2", True, (16, 32), 64, True),
+                  ("paper", True, (32, 16), 64, False), ("fa2", False, (16, 16), 64, False)]
+BWD_BLOCK_ALL = [(p, c, t, 2 * max(t), s) for p in ("fa2", "paper", "fp32") for c in (True, False)
+                 for t in ((16, 16), (32, 16), (16, 32)) for s in (False, True)]
+
+
+@pytest.mark.parametrize("policy,causal,tiles,big,split", BWD_BLOCK_FAST + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in BWD_BLOCK_ALL if c not in BWD_BLOCK_FAST])
+def test_bwd_block_is_the_same_arithmetic(rng, policy, causal, tiles, big, split):
+    """``Config.bwd_block`` (a tuning-table choice: dK/dV programs keep `big` keys, dQ programs
+    `big` queries, over the same streamed tiles) changes no gradient: every row sums the same tile
+    products in the same order, and the fully masked tiles a larger block visits add exact zeros.
+    Kv tail (T = 50), tied rows under the stable shift, δ from O and from dP∘P. Bitwise for ≥ 99 %
+    of the elements."""
+    import dataclasses
+
+    from jax_flash import api
+    from jax_flash.pallas.backward import resident_block
+
+    q, k, v = tied_inputs(rng, (1, 50, 2, 32))
+    do = jnp.asarray(rng.standard_normal(q.shape), BF16)
+    bq, bk = tiles
+    for delta in ("o", "dpp"):
+        cfg, _ = api._make_config(q, k, v, causal=causal, stable=True, beta=2.0, sm_scale=None,
+                                  policy=policy, delta=delta, impl="pallas", block_q=bq, block_k=bk)
+        cfg = dataclasses.replace(cfg, split_diagonal=split)
+        outs = []
+        for c in (cfg, dataclasses.replace(cfg, bwd_block=big)):
+            o, vjp = jax.vjp(lambda q, k, v, c=c: api._attention(q, k, v, c, "pallas"), q, k, v)
+            outs.append(vjp(do))
+        assert resident_block(dataclasses.replace(cfg, bwd_block=big), 64, 64) == big
+        for name, a, b in zip(("dQ", "dK", "dV"), *outs):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.mean(a == b) >= 0.99, (name, delta, np.mean(a == b))
+            # one ulp of the element, or FP32 last bits where a gradient cancels: XLA:CPU may block
+            # an FP32 GEMM's sum differently when the resident block makes the matmul taller
+            bound = (float(jnp.finfo(BF16).eps) * np.maximum(np.abs(a), np.abs(b))
+                     + 8 * 2.0**-23 * np.abs(b).max())
+            assert np.all(np.abs(a - b) <= bound), (name, delta, np.max(np.abs(a - b)))
+
+
+def test_bwd_block_falls_back_where_it_does_not_fit():
+    """A resident block that is no multiple of the tiles, or does not divide the padded lengths, is
+    not used (the kernels then keep one tile per program)."""
+    import dataclasses
+
+    from jax_flash.pallas.backward import resident_block
+
+    from jax_flash import api
+
+    x = jnp.zeros((1, 64, 1, 32), BF16)
+    cfg, _ = api._make_config(x, x, x, causal=True, stable=False, beta=2.0, sm_scale=None,
+                              policy="fa2", delta="o", impl="pallas", block_q=16, block_k=32)
+    assert resident_block(dataclasses.replace(cfg, bwd_block=64), 128, 128) == 64
+    assert resident_block(dataclasses.replace(cfg, bwd_block=48), 96, 96) is None  # not × 32
+    assert resident_block(dataclasses.replace(cfg, bwd_block=64), 96, 96) is None  # 96 % 64
+    assert resident_block(cfg, 128, 128) is None
+
+
 # --------------------------------------------------------------------------------- stable shift
 def tie_free_inputs(rng, shape):
     """Inputs whose every score row has its maximum ≥ 0.3 above the runner-up (no tie under any

@@ -1,6 +1,8 @@
 """The benchmark's plumbing on CPU (records, tables, memory analysis) — speed itself is measured on the
 GPU by `python -m bench.attention`, never asserted in tests."""
 
+import json
+
 import jax
 import pytest
 
@@ -195,15 +197,24 @@ define internal void @helper() {
 
 def test_ab_times_an_archived_revision_beside_the_working_tree(tmp_path):
     """bench.ab imports `jax_flash/` of a git revision as its own package (not the working tree's
-    modules under another name) and times both versions in one run."""
+    modules under another name) and times every variant of one case in one interleaved run."""
     import jax_flash
 
     root = ab.prepare("HEAD", out=tmp_path / "rev")
     old = ab.load_old(root, name="jax_flash_ab_probe")
     assert old.__file__.startswith(str(tmp_path)) and old.tile is not jax_flash.tile
     assert old.tile.__name__ == "jax_flash_ab_probe.tile"
-    recs = ab.run(root, [(1, 64, 2, 32)], ["fwd+bwd"], [False, True], rounds=1, reps=1)
-    assert [(r["impl"], r["stable"]) for r in recs] == [
-        ("jax_flash@old", False), ("jax_flash@new", False), ("jax_flash@old", True),
-        ("jax_flash@new", True)]
+    entries = {"t16": {"block_q": 16, "block_k": 16}}
+    variants = ["old", "new", "new:stable", "new@t16:stable"]
+    recs = ab.run(root, [(1, 64, 2, 32)], ["fwd+bwd"], variants, rounds=2, reps=1,
+                  entries=entries, log=lambda _: None, out=tmp_path / "ab.json")
+    assert [(r["variant"], r["impl"], r["stable"]) for r in recs] == [
+        ("old", "jax_flash@old", False), ("new", "jax_flash@new", False),
+        ("new:stable", "jax_flash@new", True), ("new@t16:stable", "jax_flash@new", True)]
     assert all(KEYS <= set(r) and r["ms"] > 0 for r in recs)
+    assert len(json.loads((tmp_path / "ab.json").read_text())) == 4
+    for bad in ("new:fast", "newer", "cudnn@t16"):
+        with pytest.raises(ValueError):
+            ab.parse_variant(bad)
+    with pytest.raises(KeyError):
+        ab.run(root, [(1, 64, 2, 32)], ["fwd"], ["new@nope"], rounds=1, reps=1)

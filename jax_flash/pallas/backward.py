@@ -9,6 +9,7 @@ P is recomputed from the saved L, so nothing quadratic in T is stored.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -136,17 +137,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
+def resident_block(cfg: Config, tq: int, tk: int) -> int | None:
+    """``cfg.bwd_block`` where it is a multiple of both tiles and divides both padded lengths."""
+    big = cfg.bwd_block
+    if not big or big % cfg.block_q or big % cfg.block_k or tq % big or tk % big:
+        return None
+    return big
+
+
 def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
     """(dQ, dK, dV) ``[B, T, H, D]``, accumulated in FP32 and rounded once to ``out_dtype`` as the
     kernels write them (writing bf16 directly saves an FP32 round trip through memory)."""
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
-    bq, bk = cfg.block_q, cfg.block_k
-    nq, nk = tq // bq, tk // bk
+    nq = tq // cfg.block_q
+    big = resident_block(cfg, tq, tk)
+    # dK/dV programs keep `big` keys, dQ programs `big` queries; the streamed tiles are unchanged
+    dkdv_cfg = dataclasses.replace(cfg, block_k=big) if big else cfg
+    dq_cfg = dataclasses.replace(cfg, block_q=big) if big else cfg
+    bq, bk = dq_cfg.block_q, dkdv_cfg.block_k
     params = compiler_params(cfg.bwd_launch, d, bq, bk, backward=True, itemsize=q.dtype.itemsize)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, nq=nq),
-        grid=(nk, bsz, h),
+        functools.partial(_dkdv_kernel, cfg=dkdv_cfg, nq=nq),
+        grid=(tk // bk, bsz, h),
         in_specs=[_full_spec(tq, d), _block_spec(bk, d), _block_spec(bk, d), _full_spec(tq, d),
                   _full_rows_spec(tq), _full_rows_spec(tq)],
         out_specs=[_block_spec(bk, d), _block_spec(bk, d)],
@@ -156,8 +169,8 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
         name=_name("dkdv", cfg),
     )(q, k, v, do, lse, dlt)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, nk=nk),
-        grid=(nq, bsz, h),
+        functools.partial(_dq_kernel, cfg=dq_cfg, nk=tk // cfg.block_k),
+        grid=(tq // bq, bsz, h),
         in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
                   _row_spec(bq), _row_spec(bq)],
         out_specs=_block_spec(bq, d),
