@@ -4,6 +4,7 @@
     python -m bench.ab run [--old build/ab/REV] [--variants new,new:stable,cudnn,old]
         [--entries FILE.json] [--shapes 4x8192x16x128] [--passes fwd+bwd] [--rounds 5] [--reps 10]
         [--out FILE.json]                               # on the GPU (carry build/ab)
+    python -m bench.ab table FILE.json [...]            # markdown table of runs
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``cudnn``
 (``jax.nn.dot_product_attention``); ``:stable`` adds the stable shift, ``@NAME`` launches with the
@@ -25,7 +26,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +94,7 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
 
     import jax_flash as new
 
-    from .attention import _jax_pass, pass_flops
+    from .attention import _jax_pass, pass_flops, timed_interleaved
 
     modules = {"new": new}
     if any(parse_variant(s)[0] == "old" for s in variants):
@@ -105,26 +105,12 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
         rng = np.random.default_rng(0)
         q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
         for pss in passes:
-            fns = {}
-            for spec in variants:
-                f = _jax_pass(_attention_fn(spec, modules, entries, causal, policy), pss)
-                try:  # compile + warm-up
-                    jax.block_until_ready(f(q, k, v))
-                    jax.block_until_ready(f(q, k, v))
-                except Exception as e:  # e.g. shared memory exceeded: reported, not fatal
-                    log(f"{spec} {shape} {pss}: failed: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                fns[spec] = f
-            times = {spec: [] for spec in fns}
-            for _ in range(rounds):
-                for spec, f in fns.items():
-                    for _ in range(reps):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(f(q, k, v))
-                        times[spec].append(time.perf_counter() - t0)
-            ms = {spec: float(np.median(t)) * 1e3 for spec, t in times.items()}
+            fns = {spec: _jax_pass(_attention_fn(spec, modules, entries, causal, policy), pss)
+                   for spec in variants}
+            ms = timed_interleaved(fns, (q, k, v), reps, rounds,
+                                   log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
             first = next(iter(ms.values()), None)
-            for spec in fns:
+            for spec in ms:
                 version, _, stable = parse_variant(spec)
                 records.append(dict(
                     impl="cudnn" if version == "cudnn" else f"jax_flash@{version}",
@@ -138,6 +124,30 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
             if out:  # after every case, so a cut-off run keeps what it measured
                 Path(out).write_text(json.dumps(records, indent=1))
     return records
+
+
+def _variant(rec):
+    """A record's variant (records of the first runs lack the field: rebuilt from impl and stable)."""
+    if "variant" in rec:
+        return rec["variant"]
+    return rec["impl"].partition("@")[2] + (":stable" if rec["stable"] else "")
+
+
+def markdown(runs):
+    """A table of interleaved runs: a row per (file, shape, pass), a column per variant; cells give ms
+    and the ratio to the row's first variant. ``runs``: [(label, records)]."""
+    runs = [(label, [dict(r, variant=_variant(r)) for r in recs]) for label, recs in runs]
+    variants = list(dict.fromkeys(r["variant"] for _, recs in runs for r in recs))
+    lines = ["| run | shape | pass | " + " | ".join(variants) + " |",
+             "|---|---|---|" + "---|" * len(variants)]
+    for label, recs in runs:
+        for case in dict.fromkeys((tuple(r["shape"]), r["pass"]) for r in recs):
+            got = {r["variant"]: r["ms"] for r in recs if (tuple(r["shape"]), r["pass"]) == case}
+            ref = next(iter(got.values()))
+            cells = [f"{got[v]:.3f} (×{got[v] / ref:.3f})" if v in got else "—" for v in variants]
+            lines.append(f"| {label} | {'×'.join(map(str, case[0]))} | {case[1]} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
@@ -154,9 +164,14 @@ def main(argv=None):
     r.add_argument("--rounds", type=int, default=5)
     r.add_argument("--reps", type=int, default=10)
     r.add_argument("--out", default=None)
+    t = sub.add_parser("table", help="print the markdown table of result files")
+    t.add_argument("files", nargs="+")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         print(prepare(args.rev))
+        return
+    if args.cmd == "table":
+        print(markdown([(Path(f).name, json.loads(Path(f).read_text())) for f in args.files]), end="")
         return
     entries = json.loads(Path(args.entries).read_text()) if args.entries else None
     run(args.old, [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],

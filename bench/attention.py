@@ -2,11 +2,11 @@
 PyTorch's flash kernel, plus compiled memory footprints.
 
     python -m bench.attention [--shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128] [--reps 30]
-        [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md docs/BENCHMARKS.md]
+        [--rounds 5] [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md docs/BENCHMARKS.md]
     python -m bench.attention --from-json bench/results/FILE.json --md docs/BENCHMARKS.md   # re-render
 
-Method (../shared/ANCHORS.md): bf16, median of ``--reps`` timed runs after warm-up, all impls in one
-process; FLOPs = 4·B·H·T²·D non-causal, half that causal; fwd+bwd counted as 3.5× fwd. Records:
+Method (../shared/ANCHORS.md): bf16, median of ≥ ``--reps`` timed runs after warm-up, all impls in
+one process, the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``); FLOPs = 4·B·H·T²·D non-causal, half that causal; fwd+bwd counted as 3.5× fwd. Records:
 ``{"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device"}``
 with impl in jax_flash, cudnn, xla, jax_pallas_mha, torch_flash (the last two when importable). Memory
 (``…-memory.json`` beside it): ``{"impl", "pass": "fwd+bwd", "shape", "temp_bytes", ...}`` from the
@@ -38,6 +38,31 @@ def _timed(f, args, reps, sync=jax.block_until_ready):
         sync(f(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) * 1e3
+
+
+def timed_interleaved(fns, args, reps, rounds, log=print):
+    """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
+    ``reps`` calls each (``rounds × reps`` samples per fn). Interleaving spreads the host's and the
+    GPU's drift over all of them alike: timed one after another, identical ~1-ms calls differed by
+    up to 12 % within one run (docs/PERF_NOTES.md v9). A fn that fails to compile is logged and left
+    out."""
+    ready = {}
+    for name, f in fns.items():
+        try:  # compile + warm-up
+            jax.block_until_ready(f(*args))
+            jax.block_until_ready(f(*args))
+        except Exception as e:  # unavailable for this shape/backend: say why, go on
+            log(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        ready[name] = f
+    times = {name: [] for name in ready}
+    for _ in range(rounds):
+        for name, f in ready.items():
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*args))
+                times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 
 def _jax_impls(causal):
@@ -103,25 +128,26 @@ def _torch_records(shape, causal, passes, reps, base):
     return out
 
 
-def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print):
+def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print, rounds=5):
+    """Records for every implementation; per (shape, causal, pass) the JAX ones are timed interleaved
+    (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` samples each in all), PyTorch's after them."""
     records = []
     dev = jax.devices()[0].device_kind
+    per_round = max(1, -(-reps // rounds))
     for shape in shapes:
         rng = np.random.default_rng(0)
         q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
         for causal in causal_modes:
             base = dict(shape=list(shape), causal=causal, jax_version=jax.__version__, device=dev)
-            for impl, policy, stable, f in _jax_impls(causal):
-                for pss in passes:
-                    try:
-                        ms = _timed(_jax_pass(f, pss), (q, k, v), reps)
-                    except Exception as e:  # unavailable for this shape/backend: say why, go on
-                        log(f"{impl} {policy} {shape} {pss}: failed: {type(e).__name__}: "
-                            f"{str(e)[:200]}")
-                        continue
-                    fl = pass_flops(shape, causal, pss)
+            impls = {(impl, policy, stable): f for impl, policy, stable, f in _jax_impls(causal)}
+            for pss in passes:
+                fns = {key: _jax_pass(f, pss) for key, f in impls.items()}
+                ms = timed_interleaved(fns, (q, k, v), per_round, rounds,
+                                       log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
+                for (impl, policy, stable), t in ms.items():
                     records.append(dict(base, impl=impl, policy=policy, stable=stable,
-                                        **{"pass": pss}, ms=ms, tflops=fl / ms / 1e9))
+                                        **{"pass": pss}, ms=t,
+                                        tflops=pass_flops(shape, causal, pss) / t / 1e9))
                     _log_record(records[-1], log)
             for rec in _torch_records(shape, causal, passes, reps, base):
                 records.append(rec)
@@ -225,7 +251,8 @@ def write_markdown(path, records, mem, source, device, version, date):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="32x1024x12x64,8x2048x16x128,4x8192x16x128")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=30, help="samples per implementation and case")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds they are spread over")
     ap.add_argument("--non-causal", action="store_true", help="also time causal=False")
     ap.add_argument("--memory-lengths", default="8192,16384", help="'' to skip")
     ap.add_argument("--out", default=None)
@@ -243,7 +270,7 @@ def main(argv=None):
         return
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     modes = (True, False) if args.non_causal else (True,)
-    records = run(shapes, args.reps, modes)
+    records = run(shapes, args.reps, modes, rounds=args.rounds)
     mem = memory([int(t) for t in args.memory_lengths.split(",") if t])
     device = jax.devices()[0].device_kind.replace(" ", "_")
     out = args.out or f"bench/results/{datetime.date.today()}-{device}.json"

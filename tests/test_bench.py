@@ -28,6 +28,27 @@ def test_records_and_markdown():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU sizes")
+def test_timed_interleaved_alternates_and_drops_failures():
+    """Every fn is warmed up first, then timed in rounds of `reps` calls each, in turn; a fn that
+    raises while compiling is reported and left out (the others are still timed)."""
+    calls, logged = [], []
+
+    def fn(name):
+        def f(x):
+            calls.append(name)
+            return x
+        return f
+
+    def broken(x):
+        raise RuntimeError("no kernel for this shape")
+
+    ms = bench.timed_interleaved({"a": fn("a"), "bad": broken, "b": fn("b")}, (jax.numpy.ones(2),),
+                                 reps=2, rounds=3, log=logged.append)
+    assert set(ms) == {"a", "b"} and all(t >= 0 for t in ms.values())
+    assert calls == ["a", "a", "b", "b"] + ["a", "a", "b", "b"] * 3
+    assert len(logged) == 1 and "bad: failed: RuntimeError" in logged[0]
+
+
 def test_memory_grows_linearly_for_flash_quadratically_for_xla():
     """Compiled fwd+bwd temp memory from T = 2048 to 4096: XLA's softmax attention holds B·H·T² scores
     (×4), the flash executor only tiles (×2). Measured: flash 10.0 → 20.1 MiB, XLA 98 → 388 MiB."""
@@ -213,6 +234,9 @@ def test_ab_times_an_archived_revision_beside_the_working_tree(tmp_path):
         ("new:stable", "jax_flash@new", True), ("new@t16:stable", "jax_flash@new", True)]
     assert all(KEYS <= set(r) and r["ms"] > 0 for r in recs)
     assert len(json.loads((tmp_path / "ab.json").read_text())) == 4
+    table = ab.markdown([("run1", recs)])
+    assert table.splitlines()[0] == "| run | shape | pass | old | new | new:stable | new@t16:stable |"
+    assert "| run1 | 1×64×2×32 | fwd+bwd | " in table and "(×1.000)" in table
     for bad in ("new:fast", "newer", "cudnn@t16"):
         with pytest.raises(ValueError):
             ab.parse_variant(bad)
