@@ -66,13 +66,14 @@ COLUMNS = (["policy", "stable", "ties", "v_mean", "gap", "kv_len", "block_k", "n
 
 # ------------------------------------------------------------------------------------------- inputs
 def bias_rows(rng, n, *, kv_len=64, head_dim=HEAD_DIM, ties=2, tie_frac=0.5, top=(6.0, 10.0),
-              gap=13.0, v_mean=-1.5):
+              gap=13.0, v_mean=-1.5, split=False):
     """``jax_flash.diagnostics.tied_rows`` generalised: n single-query problems, the first
     round(n·tie_frac) with ``ties`` bitwise-identical maximal keys, the rest with a unique maximum
     (``ties=1`` everywhere means no row is tied).
 
     Scores: the maxima r_m ~ U(top); the other keys r_m − gap + N(0, 1). The tied keys sit at random
-    positions inside one random aligned block of ``TIE_BLOCK`` keys. V ~ N(v_mean, 1).
+    positions inside one random aligned block of ``TIE_BLOCK`` keys; with ``split``, tie j sits in
+    the j-th block after it instead (cyclically), so no key tile holds two of them. V ~ N(v_mean, 1).
     Returns q ``[n, D]``, k, v ``[n, kv_len, D]`` (float32, to be cast to BF16) and the tie counts ``[n]``.
     """
     assert kv_len % TIE_BLOCK == 0 or kv_len < TIE_BLOCK
@@ -90,6 +91,10 @@ def bias_rows(rng, n, *, kv_len=64, head_dim=HEAD_DIM, ties=2, tie_frac=0.5, top
     k = (scores / np.sqrt(r_m))[..., None] * u[:, None, :] * root
     rows = np.arange(n)
     top_key = k[rows, pos[:, 0]] = (r_m / np.sqrt(r_m)) * u * root
+    if split:
+        assert ties <= kv_len // block, "split ties need one block each"
+        pos = pos + np.arange(block)[None, :] * block  # the j-th entry moves j blocks on
+        pos = pos % kv_len
     for j in range(1, max(ties, 1)):
         sel = counts > j
         k[rows[sel], pos[sel, j]] = top_key[sel]  # bitwise-identical keys: an exact tie after rounding

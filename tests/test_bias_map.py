@@ -118,6 +118,16 @@ def test_bias_rows_ties(rng):
         assert len(set(np.flatnonzero(s[i] == s[i].max()) // 64)) == 1
 
 
+def test_bias_rows_split_ties(rng):
+    """``split=True``: the same exact ties, each in its own aligned 64-key block."""
+    q, k, v, counts = bm.bias_rows(rng, 40, kv_len=512, ties=3, split=True)
+    s = np.einsum("nd,ntd->nt", *(np.asarray(jnp.asarray(x, BF16), np.float64) for x in (q, k)))
+    at_max = (s == s.max(axis=1, keepdims=True)).sum(axis=1)
+    np.testing.assert_array_equal(at_max, counts)
+    for i in range(20):
+        assert len(set(np.flatnonzero(s[i] == s[i].max()) // 64)) == 3
+
+
 @pytest.mark.parametrize("policy", ["paper", "fa2", "fa2_sr", "paper_sr"])
 def test_kernel_runner_is_jax_flash_attention(rng, policy):
     """The map's single-row tile loop computes what jax_flash.attention returns."""
@@ -220,3 +230,22 @@ def test_paper_ablation_cells(rng):
                 assert res[top, no_clamp, stable][col] == res[top, paper, stable][col], (top, col)
     assert res[lo, fp32_obar, 0]["o_free_t"] < -10
     assert 0.3 < res[lo, fp32_obar, 0]["o_free_mean"] / res[lo, paper, 0]["o_free_mean"] < 0.7
+
+
+# ------------------------------------------------------------------------ the stable shift's β
+def test_stable_beta_cells(rng):
+    """experiments/stable_beta.py on fresh rows: with both ties in one key tile the "fa2" tie bias
+    (t > 20) is gone at every β (|t| < 4); with the ties split over two tiles the shift never fires
+    and changes no bit; the tie-free rows' bias is the same at every β."""
+    from experiments import stable_beta as sb
+
+    res = {(r["ties"], r["beta"]): r for r in sb.run(rows=1024, seed=int(rng.integers(1 << 30)),
+                                                     progress=False, tops=((6.0, 10.0),), gaps=(13.0,))}
+    assert res["one tile", "off"]["o_tie_t"] > 20 and res["split", "off"]["o_tie_t"] > 20
+    for beta in ("2", "3", "7"):
+        assert abs(res["one tile", beta]["o_tie_t"]) < 4, beta
+        assert res["one tile", beta]["shift_fired_tie"] == 1.0
+        assert res["split", beta]["shift_fired_tie"] == 0.0
+        for col in sb.COLUMNS:
+            assert res["split", beta][col] == res["split", "off"][col], (beta, col)
+        assert res["one tile", beta]["o_free_mean"] == res["one tile", "off"]["o_free_mean"]
