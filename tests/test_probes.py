@@ -252,6 +252,7 @@ def _check_cotangent_and_planted_delta_error(rng):
         m1["delta_err/L1"], want[:, :2].sum(), rtol=1e-3, atol=1e-3 * np.abs(want).sum()
     )
     assert m1["o_err/L1"] == pytest.approx(EPS / 2, rel=1e-3)  # half the heads carry +EPS
+
     # the first (cold-start) call already has the spectral norms: it iterates cold_iters times
     for l in (0, 1):
         w = np.asarray(G.per_head_weights(params, l, 4, "wq"), np.float64)
@@ -276,6 +277,28 @@ def probed_run(tmp_path_factory):
     cfg = micro_cfg(run, "probe_every=2", "max_steps=6", "eval_every=3", "attention.kind=flash")
     T.train(cfg, tokens=Tokens(), probes=[chain, snap])
     return run, chain, snap
+
+
+def test_delta_error_of_tied_rows(rng, monkeypatch):
+    """``delta_err_tie/L*``: Σ δ error over the rows the tie test marks. With a stand-in tie mask
+    (every even row; a random FP32 model has no exact ties) it is the planted error summed over
+    exactly those rows."""
+    model = _planted_model()
+    x = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
+    y = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
+    even = lambda q, k, policy="fa2": jnp.broadcast_to(
+        (jnp.arange(q.shape[1]) % 2 == 0)[None, None, :], (q.shape[0], q.shape[2], q.shape[1]))
+    monkeypatch.setattr(D, "tied_row_mask", even)
+    with jax.default_matmul_precision("highest"):
+        _, layers = P.chain_tensors(model, x, y)
+        m = P.CausalChainProbe(n_seq=3)(1, model, (np.asarray(x), np.asarray(y)))
+    derr = np.asarray(layers[1]["dlt_lp"] - layers[1]["dlt_hp"], np.float64)  # [b, H, t]
+    # the planted error (heads 0, 1) is there to be found, the other heads' is FP32 noise
+    assert np.abs(derr[:, 2:]).max() < 1e-3 * np.abs(derr[:, :2]).max()
+    want = derr[:, :, 0::2].sum()
+    assert abs(want - derr.sum()) > 0.1 * abs(want)  # the odd rows carry a different share
+    np.testing.assert_allclose(m["delta_err_tie/L1"], want, rtol=1e-3)
+    assert m["tie_frac/L1"] == pytest.approx(0.5)
 
 
 def test_probes_write_finite_metrics_in_training(probed_run):

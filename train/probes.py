@@ -35,6 +35,7 @@ is ``L1/H7``):
 ``o_err_away/L{l}``               mean of (O_lp − O_hp)·sign(O_hp): > 0 = rounded away from zero
 ``delta_err/L{l}[/H{h}]``         Σ over probe tokens of δ_lp − δ_hp (below)
 ``delta_err_abs/L{l}``            Σ |δ_lp − δ_hp| (bias vs noise: |delta_err| / delta_err_abs)
+``delta_err_tie/L{l}``            the part of delta_err on the rows tie_frac counts (tied rows)
 ``delta_err_cum/L{l}[/H{h}]``     running sum of delta_err over this probe's calls (PAPER Fig. 5a,
                                   sampled every probe_every steps; restarts at 0 on resume)
 ``probe_loss``, ``probe_time_s``  loss on the probe sequences; wall time of the probe call
@@ -222,7 +223,8 @@ class CausalChainProbe:
         sk, vk = D.power_iteration(wk, vk, n_iter)
 
         loss, layers = chain_tensors(model, x, y)
-        per = {k: [] for k in ("max_logit", "tie_frac", "delta_err", "delta_err_abs") + _LAYER_SCALARS}
+        per = {k: [] for k in ("max_logit", "tie_frac", "delta_err", "delta_err_abs", "delta_err_tie")
+               + _LAYER_SCALARS}
         for lay in layers:
             q, k = lay["q"], lay["k"]
             per["max_logit"].append(D.max_logit(q, k))
@@ -230,15 +232,16 @@ class CausalChainProbe:
                 D.tied_row_mask(q[:, :, h0:h1], k[:, :, h0:h1], policy=_tie_policy(spec))
                 for h0, h1, spec in lay["groups"]
             ]
-            per["tie_frac"].append(
-                jnp.mean(jnp.concatenate(ties, axis=1).astype(jnp.float32), axis=(0, 2))
-            )
+            ties = jnp.concatenate(ties, axis=1)  # [b, H, t]
+            per["tie_frac"].append(jnp.mean(ties.astype(jnp.float32), axis=(0, 2)))
             per["tie_frac_bf16s"].append(
                 jnp.mean(D.tied_row_mask_rounded_scores(q, k).astype(jnp.float32))
             )
             derr = lay["dlt_lp"] - lay["dlt_hp"]  # [b, H, t]
             per["delta_err"].append(jnp.sum(derr, axis=(0, 2)))
             per["delta_err_abs"].append(jnp.sum(jnp.abs(derr)))
+            # the part of Σ δ error carried by tied rows (the paper's mechanism lives there)
+            per["delta_err_tie"].append(jnp.sum(jnp.where(ties, derr, 0.0)))
             xin = lay["x"].astype(jnp.float32)
             per["act_rms"].append(jnp.sqrt(jnp.mean(xin**2)))
             per["act_max"].append(jnp.max(jnp.abs(xin)))
@@ -302,6 +305,7 @@ class CausalChainProbe:
             m[f"delta_err/{tag}"] = float(derr[l].sum())
             m[f"delta_err_cum/{tag}"] = float(self.cum["layer"][l])
             m[f"delta_err_abs/{tag}"] = float(out["delta_err_abs"][l])
+            m[f"delta_err_tie/{tag}"] = float(out["delta_err_tie"][l])
             for name in _LAYER_SCALARS:
                 if name in out:
                     m[f"{name}/{tag}"] = float(out[name][l])
