@@ -271,6 +271,19 @@ def write_csv(results, path):
             w.writerow({c: (f"{r[c]:.4g}" if isinstance(r[c], float) else r[c]) for c in COLUMNS})
 
 
+def save_table(results, out_dir, stem, md):
+    """``stem``.csv (every key of the result dicts) and ``stem``.md (the markdown ``md``) into
+    ``out_dir``; prints the markdown (the ablation-style experiments built on this module)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(results[0]))
+        w.writeheader()
+        w.writerows(results)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
 def plot(results, path):
     """t-statistics of the tie rows' O, Ō and δ errors by cell: baseline vs stable, one row per policy."""
     import matplotlib

@@ -16,14 +16,13 @@ rows and on tie-free rows (``bias_map.measure_cell``). Writes ``paper_ablation.c
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import os
 
 import jax.numpy as jnp
 import numpy as np
 
-from .bias_map import BF16, bias_rows, exact, kernel_config, make_do, measure_cell
+from .bias_map import BF16, bias_rows, exact, kernel_config, make_do, measure_cell, save_table
 
 DEFAULT_OUT = os.path.join("experiments", "results", "paper_ablation")
 # (label, Policy fields set to their FP32 / off value)
@@ -97,15 +96,7 @@ def main(argv=None):
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     results = run(args.rows, args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "paper_ablation.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
-    md = markdown(results)
-    with open(os.path.join(args.out, "paper_ablation.md"), "w") as f:
-        f.write(md)
-    print(md)
+    save_table(results, args.out, "paper_ablation", markdown(results))
 
 
 if __name__ == "__main__":

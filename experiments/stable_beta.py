@@ -16,14 +16,13 @@ and its t, and the δ error with dO along V's sign, on tied and on tie-free rows
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import os
 
 import jax.numpy as jnp
 import numpy as np
 
-from .bias_map import BF16, bias_rows, exact, kernel_config, make_do, measure_cell
+from .bias_map import BF16, bias_rows, exact, kernel_config, make_do, measure_cell, save_table
 
 DEFAULT_OUT = os.path.join("experiments", "results", "stable_beta")
 BETAS = (None, 2.0, 3.0, 7.0)  # None: the baseline
@@ -79,15 +78,7 @@ def main(argv=None):
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     results = run(args.rows, args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "stable_beta.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
-    md = markdown(results)
-    with open(os.path.join(args.out, "stable_beta.md"), "w") as f:
-        f.write(md)
-    print(md)
+    save_table(results, args.out, "stable_beta", markdown(results))
 
 
 if __name__ == "__main__":

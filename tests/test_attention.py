@@ -180,13 +180,11 @@ SPLIT_FAST = [("fa2", True, (16, 16)), ("fa2", True, (16, 32)), ("fa2", False, (
 SPLIT_ALL = list(itertools.product(("fa2", "paper", "fp32"), (True, False), ((16, 16), (32, 16), (16, 32))))
 
 
-@pytest.mark.parametrize("policy,causal,tiles", SPLIT_FAST + [
-    pytest.param(*c, marks=pytest.mark.slow) for c in SPLIT_ALL if c not in SPLIT_FAST])
-def test_split_diagonal_is_the_same_arithmetic(rng, policy, causal, tiles):
-    """``Config.split_diagonal`` (a tuning-table choice: mask-free loops over the tiles below the
-    causal diagonal and inside kv_len) changes no value: O, L and all gradients, for δ from O and
-    from dP∘P, with a kv tail (T = 50 is no multiple of the tiles) and tied rows under the stable
-    shift. Bitwise, or within one ulp where XLA:CPU fuses the mask-free exp differently."""
+def assert_same_values_under(rng, policy, causal, tiles, transforms):
+    """O, dQ, dK, dV and L of the kernels (interpret mode) under each of two Config ``transforms``,
+    for δ from O and from dP∘P, with a kv tail (T = 50 is no multiple of the tiles) and tied rows
+    under the stable shift: bitwise for ≥ 99 % of the elements, the rest within one ulp of the
+    element or FP32 last bits of the tile sums where a gradient cancels."""
     import dataclasses
 
     from jax_flash import api
@@ -198,18 +196,27 @@ def test_split_diagonal_is_the_same_arithmetic(rng, policy, causal, tiles):
         cfg, _ = api._make_config(q, k, v, causal=causal, stable=True, beta=2.0, sm_scale=None,
                                   policy=policy, delta=delta, impl="pallas", block_q=bq, block_k=bk)
         outs = []
-        for split in (False, True):
-            c = dataclasses.replace(cfg, split_diagonal=split)
-            o, vjp = jax.vjp(lambda q, k, v: api._attention(q, k, v, c, "pallas"), q, k, v)
+        for transform in transforms:
+            c = dataclasses.replace(cfg, **transform)
+            o, vjp = jax.vjp(lambda q, k, v, c=c: api._attention(q, k, v, c, "pallas"), q, k, v)
             lse = api._forward(q, k, v, c, "pallas")[2]
             outs.append([o, *vjp(do), lse])
         for name, a, b in zip(("O", "dQ", "dK", "dV", "L"), *outs):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             eps = float(jnp.finfo(BF16 if name != "L" else jnp.float32).eps)
             assert np.mean(a == b) >= 0.99, (name, delta, np.mean(a == b))
-            # one ulp of the element, or FP32 last bits of the tile sums where a gradient cancels
             bound = eps * np.maximum(np.abs(a), np.abs(b)) + 8 * 2.0**-23 * np.abs(b).max()
             assert np.all(np.abs(a - b) <= bound), (name, delta, np.max(np.abs(a - b)))
+
+
+@pytest.mark.parametrize("policy,causal,tiles", SPLIT_FAST + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in SPLIT_ALL if c not in SPLIT_FAST])
+def test_split_diagonal_is_the_same_arithmetic(rng, policy, causal, tiles):
+    """``Config.split_diagonal`` (a tuning-table choice: mask-free loops over the tiles below the
+    causal diagonal and inside kv_len) changes no value (XLA:CPU may fuse the mask-free exp
+    differently: an ulp)."""
+    assert_same_values_under(rng, policy, causal, tiles,
+                             ({"split_diagonal": False}, {"split_diagonal": True}))
 
 
 BWD_BLOCK_FAST = [("fa2", True, (16, 16), 32, False), ("fa2", True, (16, 32), 64, True),
@@ -223,34 +230,20 @@ BWD_BLOCK_ALL = [(p, c, t, 2 * max(t), s) for p in ("fa2", "paper", "fp32") for 
 def test_bwd_block_is_the_same_arithmetic(rng, policy, causal, tiles, big, split):
     """``Config.bwd_block`` (a tuning-table choice: dK/dV programs keep `big` keys, dQ programs
     `big` queries, over the same streamed tiles) changes no gradient: every row sums the same tile
-    products in the same order, and the fully masked tiles a larger block visits add exact zeros.
-    Kv tail (T = 50), tied rows under the stable shift, δ from O and from dP∘P. Bitwise for ≥ 99 %
-    of the elements."""
+    products in the same order, and the fully masked tiles a larger block visits add exact zeros
+    (XLA:CPU may block an FP32 GEMM's sum differently when the matmul is taller: last bits)."""
     import dataclasses
 
     from jax_flash import api
     from jax_flash.pallas.backward import resident_block
 
-    q, k, v = tied_inputs(rng, (1, 50, 2, 32))
-    do = jnp.asarray(rng.standard_normal(q.shape), BF16)
-    bq, bk = tiles
-    for delta in ("o", "dpp"):
-        cfg, _ = api._make_config(q, k, v, causal=causal, stable=True, beta=2.0, sm_scale=None,
-                                  policy=policy, delta=delta, impl="pallas", block_q=bq, block_k=bk)
-        cfg = dataclasses.replace(cfg, split_diagonal=split)
-        outs = []
-        for c in (cfg, dataclasses.replace(cfg, bwd_block=big)):
-            o, vjp = jax.vjp(lambda q, k, v, c=c: api._attention(q, k, v, c, "pallas"), q, k, v)
-            outs.append(vjp(do))
-        assert resident_block(dataclasses.replace(cfg, bwd_block=big), 64, 64) == big
-        for name, a, b in zip(("dQ", "dK", "dV"), *outs):
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            assert np.mean(a == b) >= 0.99, (name, delta, np.mean(a == b))
-            # one ulp of the element, or FP32 last bits where a gradient cancels: XLA:CPU may block
-            # an FP32 GEMM's sum differently when the resident block makes the matmul taller
-            bound = (float(jnp.finfo(BF16).eps) * np.maximum(np.abs(a), np.abs(b))
-                     + 8 * 2.0**-23 * np.abs(b).max())
-            assert np.all(np.abs(a - b) <= bound), (name, delta, np.max(np.abs(a - b)))
+    assert_same_values_under(rng, policy, causal, tiles, ({"split_diagonal": split},
+                                                          {"split_diagonal": split, "bwd_block": big}))
+    x = jnp.zeros((1, 64, 1, 32), BF16)
+    cfg, _ = api._make_config(x, x, x, causal=causal, stable=True, beta=2.0, sm_scale=None,
+                              policy=policy, delta="o", impl="pallas", block_q=tiles[0],
+                              block_k=tiles[1])
+    assert resident_block(dataclasses.replace(cfg, bwd_block=big), 64, 64) == big
 
 
 def test_bwd_block_falls_back_where_it_does_not_fit():

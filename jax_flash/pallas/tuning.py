@@ -3,9 +3,10 @@
 `tuning.json` beside this file is written by `python -m bench.tune` on a GPU and shipped with the
 package; a missing entry means the built-in defaults (64×64 tiles for "fa2"/"fp32", 32×512 for
 "paper"; 4 warps, or 8 for large tiles; 2 stages). `override` lets the tuner try candidates.
-Entries: ``{"block_q", "block_k", "fwd": {"num_warps", "num_stages"}, "bwd": {...}, "split_diagonal"}``
-(tiles shared by all kernels of a call; ``split_diagonal``: mask-free loops below the causal diagonal,
-the same values, see ``tile.Config``). The key tile size changes the numerics (the online-softmax rescaling); the
+Entries: ``{"block_q", "block_k", "fwd": {"num_warps", "num_stages"}, "bwd": {...}, "split_diagonal",
+"bwd_block"}`` (tiles shared by all kernels of a call; ``split_diagonal``: mask-free loops below the
+causal diagonal; ``bwd_block``: rows a backward program keeps resident — both the same values, see
+``tile.Config``). The key tile size changes the numerics (the online-softmax rescaling); the
 tuner keeps "paper" at its 512-wide key tiles.
 """
 
