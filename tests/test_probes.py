@@ -301,6 +301,58 @@ def test_delta_error_of_tied_rows(rng, monkeypatch):
     assert m["tie_frac/L1"] == pytest.approx(0.5)
 
 
+@jax.custom_vjp
+def _dq_plus_eps_q(q, k, v):
+    return reference_attention(q, k, v, dtype=jnp.float32).astype(q.dtype)
+
+
+def _dq_plus_eps_q_fwd(q, k, v):
+    return _dq_plus_eps_q(q, k, v), (q, k, v)
+
+
+def _dq_plus_eps_q_bwd(res, do):
+    q, k, v = res
+    _, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, dtype=jnp.float32), q, k, v)
+    dq, dk, dv = vjp(do.astype(jnp.float32))
+    return (dq + EPS * q).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_dq_plus_eps_q.defvjp(_dq_plus_eps_q_fwd, _dq_plus_eps_q_bwd)
+G.register_attention("test_dq_plus_eps_q", lambda q, k, v, spec: _dq_plus_eps_q(q, k, v))
+
+
+def test_wq_gradient_error_along_wq(rng):
+    """``wq_grad_err``: a planted backward error dQ_lp = dQ + EPS·q on heads 0, 1 of layer 1 gives
+    ⟨W_Q, Δg⟩ = EPS·Σ q² on exactly those heads (exact FP32 attention elsewhere: ≈ 0), and
+    ``wq_grad`` equals ⟨W_Q, ∂loss/∂W_Q⟩ from autodiff of the whole model (which here has the
+    FP32 shadow's dQ in every other head), computed from the parameters in float64."""
+    cfg = G.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64,
+                      dtype="float32", attention=G.AttentionSpec("standard"),
+                      attention_overrides=((1, (0, 1), G.AttentionSpec("test_dq_plus_eps_q")),))
+    model = G.GPT(cfg, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
+    y = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        _, layers = P.chain_tensors(model, x, y)
+        m = P.CausalChainProbe(n_seq=3)(1, model, (np.asarray(x), np.asarray(y)))
+        graphdef, state = nnx.split(model)
+        params = nnx.to_pure_dict(state)
+        loss = lambda p: G.cross_entropy(nnx.merge(graphdef, p)(x), y)
+        grads = jax.grad(loss)(params)
+    q = np.asarray(layers[1]["q"], np.float64)
+    planted = EPS * np.sum(q[:, :, :2] ** 2, axis=(0, 1, 3))
+    for h in (0, 1):
+        np.testing.assert_allclose(m[f"wq_grad_err/L1/H{h}"], planted[h], rtol=1e-4)
+    for h in (2, 3):
+        assert abs(m[f"wq_grad_err/L1/H{h}"]) < 1e-4 * planted.min()
+    assert abs(m["wq_grad_err/L0"]) < 1e-4 * planted.min()
+    for l in (0, 1):  # ⟨W_Q, ∂loss/∂W_Q⟩ from the model's own gradient (lp on the planted heads)
+        w = np.asarray(params["blocks"][l]["attn"]["wq"]["kernel"], np.float64)
+        g = np.asarray(grads["blocks"][l]["attn"]["wq"]["kernel"], np.float64)
+        lp = m[f"wq_grad/L{l}"] + m[f"wq_grad_err/L{l}"]
+        np.testing.assert_allclose(lp, np.sum(w * g), rtol=1e-3, atol=1e-6 * np.abs(w * g).sum())
+
+
 def test_probes_write_finite_metrics_in_training(probed_run):
     run, chain, snap = probed_run
     ms = T.read_metrics(run)

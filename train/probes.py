@@ -36,6 +36,13 @@ is ``L1/H7``):
 ``delta_err/L{l}[/H{h}]``         Σ over probe tokens of δ_lp − δ_hp (below)
 ``delta_err_abs/L{l}``            Σ |δ_lp − δ_hp| (bias vs noise: |delta_err| / delta_err_abs)
 ``delta_err_tie/L{l}``            the part of delta_err on the rows tie_frac counts (tied rows)
+``wq_grad/L{l}``                  ⟨W_Q, ∂loss/∂W_Q⟩ of the probe loss with the FP32 shadow's dQ
+                                  (= Σ q·dQ_hp); < 0: a gradient step grows ‖W_Q‖
+``wq_grad_err/L{l}[/H{h}]``       ⟨W_Q, g_lp − g_hp⟩ = Σ q·(dQ_lp − dQ_hp): the component along W_Q
+                                  of the error the layer's attention backward puts into W_Q's
+                                  gradient (dQ_lp: its own backward on the same q, k, v, dO); < 0
+                                  pushes ‖W_Q‖ up — the end of the paper's chain, whatever the cause
+                                  (signs as for plain gradient steps; Adam rescales per entry)
 ``delta_err_cum/L{l}[/H{h}]``     running sum of delta_err over this probe's calls (PAPER Fig. 5a,
                                   sampled every probe_every steps; restarts at 0 on resume)
 ``probe_loss``, ``probe_time_s``  loss on the probe sequences; wall time of the probe call
@@ -52,7 +59,8 @@ the layer's own output O — the δ a flash backward would form from that O (cou
 of those kinds does not use it).
 
 Cost: one forward and one activation backward (no parameter gradients) on ``n_seq`` sequences, plus
-per layer the FP32 shadow attention, one extra flash forward and the [n_seq, H, T, T] score matrix.
+per layer the FP32 shadow attention and its dQ, one extra flash forward, the layer attention's own
+backward for dQ, and the [n_seq, H, T, T] score matrix.
 Without probes nothing here runs.
 """
 
@@ -121,8 +129,9 @@ def chain_tensors(model, x, y):
 
     Returns (loss, layers) with per layer a dict: ``x`` attention input, ``q k v`` [b, t, H, hd],
     ``do`` the loss cotangent of the attention output, ``o_lp`` the O the backward's δ sees, ``o_hp``
-    the FP32 shadow, ``dlt_lp`` / ``dlt_hp`` [b, H, t], ``resid`` (block output, if captured), and
-    ``groups`` (h0, h1, spec).
+    the FP32 shadow, ``dlt_lp`` / ``dlt_hp`` [b, H, t], ``dq_lp`` (dQ from the layer's own attention
+    backward) / ``dq_hp`` (from the FP32 shadow) [b, t, H, hd], ``resid`` (block output, if
+    captured), and ``groups`` (h0, h1, spec).
     """
     mcfg = model.config
     b, t = x.shape
@@ -142,8 +151,9 @@ def chain_tensors(model, x, y):
     i = 0
     for l, cap in enumerate(caps):
         q, k, v, do = cap["q"], cap["k"], cap["v"], dos[l]
-        o_hp = D.hp_attention(q, k, v)
-        o_lp, dlt_lp, groups = [], [], []
+        o_hp, hp_vjp = jax.vjp(lambda q_: D.hp_attention(q_, k, v), q.astype(jnp.float32))
+        (dq_hp,) = hp_vjp(do.astype(jnp.float32))
+        o_lp, dlt_lp, dq_lp, groups = [], [], [], []
         for h0, h1, spec in model.blocks[l].attn.groups:
             o = outs[i]
             i += 1
@@ -159,6 +169,11 @@ def chain_tensors(model, x, y):
                 )
             else:
                 o_st, dlt = o, D.rowsum_delta(sl(do), o)
+            # dQ as training computes it: the layer's attention function differentiated on its own
+            # (a flash kernel's backward, or autodiff of the other kinds)
+            attend = G.ATTENTION_FNS[spec.kind]
+            _, lp_vjp = jax.vjp(lambda q_, spec=spec: attend(q_, sl(k), sl(v), spec), sl(q))
+            dq_lp.append(lp_vjp(sl(do).astype(o.dtype))[0].astype(jnp.float32))
             o_lp.append(o_st.astype(jnp.float32))
             dlt_lp.append(dlt)
             groups.append((h0, h1, spec))
@@ -175,6 +190,8 @@ def chain_tensors(model, x, y):
                 o_lp=jnp.concatenate(o_lp, axis=2),
                 dlt_lp=jnp.concatenate(dlt_lp, axis=1),
                 dlt_hp=D.rowsum_delta(do, o_hp),
+                dq_lp=jnp.concatenate(dq_lp, axis=2),
+                dq_hp=dq_hp,
             )
         )
     return loss, layers
@@ -223,8 +240,8 @@ class CausalChainProbe:
         sk, vk = D.power_iteration(wk, vk, n_iter)
 
         loss, layers = chain_tensors(model, x, y)
-        per = {k: [] for k in ("max_logit", "tie_frac", "delta_err", "delta_err_abs", "delta_err_tie")
-               + _LAYER_SCALARS}
+        per = {k: [] for k in ("max_logit", "tie_frac", "delta_err", "delta_err_abs", "delta_err_tie",
+                               "wq_grad", "wq_grad_err") + _LAYER_SCALARS}
         for lay in layers:
             q, k = lay["q"], lay["k"]
             per["max_logit"].append(D.max_logit(q, k))
@@ -242,6 +259,11 @@ class CausalChainProbe:
             per["delta_err_abs"].append(jnp.sum(jnp.abs(derr)))
             # the part of Σ δ error carried by tied rows (the paper's mechanism lives there)
             per["delta_err_tie"].append(jnp.sum(jnp.where(ties, derr, 0.0)))
+            # ⟨W_Q, ∂L/∂W_Q⟩ per head = Σ over tokens q·dQ (∂L/∂W_Q = xᵀ·dQ and q = x·W_Q): the
+            # gradient's component along W_Q, and the part of it the attention backward's error adds
+            q32 = q.astype(jnp.float32)
+            per["wq_grad"].append(jnp.sum(q32 * lay["dq_hp"], axis=(0, 1, 3)))
+            per["wq_grad_err"].append(jnp.sum(q32 * (lay["dq_lp"] - lay["dq_hp"]), axis=(0, 1, 3)))
             xin = lay["x"].astype(jnp.float32)
             per["act_rms"].append(jnp.sqrt(jnp.mean(xin**2)))
             per["act_max"].append(jnp.max(jnp.abs(xin)))
@@ -306,6 +328,8 @@ class CausalChainProbe:
             m[f"delta_err_cum/{tag}"] = float(self.cum["layer"][l])
             m[f"delta_err_abs/{tag}"] = float(out["delta_err_abs"][l])
             m[f"delta_err_tie/{tag}"] = float(out["delta_err_tie"][l])
+            m[f"wq_grad/{tag}"] = float(np.sum(out["wq_grad"][l]))
+            m[f"wq_grad_err/{tag}"] = float(np.sum(out["wq_grad_err"][l]))
             for name in _LAYER_SCALARS:
                 if name in out:
                     m[f"{name}/{tag}"] = float(out[name][l])
@@ -315,6 +339,7 @@ class CausalChainProbe:
                     m[f"tie_frac/{tag}/H{h}"] = float(out["tie_frac"][l, h])
                     m[f"delta_err/{tag}/H{h}"] = float(derr[l, h])
                     m[f"delta_err_cum/{tag}/H{h}"] = float(self.cum["head"][l, h])
+                    m[f"wq_grad_err/{tag}/H{h}"] = float(out["wq_grad_err"][l, h])
         m["probe_time_s"] = dt
         return m
 
