@@ -167,8 +167,10 @@ def probes(args):
 
     tag = f"L{args.layer}"
     want = {int(s) for s in args.steps.split(",")} if args.steps else None
-    print("| run | step | max logit | max-head ‖W_Q‖₂ (head) | tie rows | tie rows, bf16 S | Σ δ err |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | step | max logit | max-head ‖W_Q‖₂ (head) | tie rows | tie rows, bf16 S | Σ δ err "
+          "| Σ δ err, tied rows | ⟨W_Q, Δg⟩ / \\|⟨W_Q, g⟩\\| |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda x, f: format(x, f) if x is not None else "—"
     for run in args.runs:
         for r in read_metrics(run):
             if f"max_logit/{tag}" not in r or (want and r["step"] not in want):
@@ -176,11 +178,14 @@ def probes(args):
             heads = sorted(int(k.rsplit("H", 1)[1]) for k in r if k.startswith(f"wq_norm/{tag}/H"))
             top = max(heads, key=lambda h: r[f"wq_norm/{tag}/H{h}"]) if heads else None
             bf16 = r.get(f"tie_frac_bf16s/{tag}")
-            derr = r.get(f"delta_err/{tag}")
+            # (the last two columns: probe metrics added in the sixth session; "—" in earlier runs)
+            g, g_err = r.get(f"wq_grad/{tag}"), r.get(f"wq_grad_err/{tag}")
+            rel = g_err / abs(g) if g and g_err is not None else None
             print(f"| {run} | {r['step']} | {r[f'max_logit/{tag}']:.4g} | "
                   f"{r[f'wq_norm_max/{tag}']:.3g} (H{top}) | {100 * r[f'tie_frac/{tag}']:.2f} % | "
                   + (f"{100 * bf16:.2f} %" if bf16 is not None else "—") + " | "
-                  + (f"{derr:+.2e}" if derr is not None else "—") + " |")
+                  + fmt(r.get(f"delta_err/{tag}"), "+.2e") + " | "
+                  + fmt(r.get(f"delta_err_tie/{tag}"), "+.2e") + " | " + fmt(rel, "+.2e") + " |")
 
 
 def main(argv=None):

@@ -44,6 +44,8 @@ def test_run_resume_and_table(tmp_path, capsys):
     R.main(["probes", str(run), "--steps", "4,6"])
     rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {run} |")]
     assert [l.split("|")[2].strip() for l in rows] == ["4", "6"]
+    # the tied rows' δ error and the W_Q-gradient error are there (numbers, not "—") in new runs
+    assert all("—" not in l.split("|")[-3] and "—" not in l.split("|")[-2] for l in rows), rows
 
 
 def test_lanes_pack_outputs_and_deadline_skips_arms(tmp_path):
