@@ -271,6 +271,27 @@ def write_csv(results, path):
             w.writerow({c: (f"{r[c]:.4g}" if isinstance(r[c], float) else r[c]) for c in COLUMNS})
 
 
+def stat_cells(r) -> str:
+    """Markdown cells "mean (t)" of O and δ on tied and tie-free rows, and the tied rows' mean |O error|
+    (a row of ``measure_cell``'s columns)."""
+    cells = [f"{r[f'{m}_mean']:+.2e} ({r[f'{m}_t']:+.1f})"
+             for m in ("o_tie", "o_free", "delta_tie", "delta_free")]
+    return " | ".join(cells + [f"{r['o_tie_mabs']:.2e}"])
+
+
+def ablation_main(argv, doc, run, markdown, stem, default_out):
+    """The command line of the ablation-style experiments: --rows, --seed, --out; runs, saves, prints."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=default_out)
+    args = ap.parse_args(argv)
+    results = run(args.rows, args.seed)
+    save_table(results, args.out, stem, markdown(results))
+
+
 def save_table(results, out_dir, stem, md):
     """``stem``.csv (every key of the result dicts) and ``stem``.md (the markdown ``md``) into
     ``out_dir``; prints the markdown (the ablation-style experiments built on this module)."""

@@ -15,14 +15,13 @@ rows and on tie-free rows (``bias_map.measure_cell``). Writes ``paper_ablation.c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 
 import jax.numpy as jnp
 import numpy as np
 
-from .bias_map import BF16, bias_rows, exact, kernel_config, make_do, measure_cell, save_table
+from .bias_map import BF16, bias_rows, exact, kernel_config, make_do, ablation_main, measure_cell, stat_cells
 
 DEFAULT_OUT = os.path.join("experiments", "results", "paper_ablation")
 # (label, Policy fields set to their FP32 / off value)
@@ -81,22 +80,13 @@ def markdown(results) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
-            f"| {r['top']} | {r['variant']} | {'on' if r['stable'] else 'off'} | "
-            f"{r['o_tie_mean']:+.2e} ({r['o_tie_t']:+.1f}) | {r['o_free_mean']:+.2e} ({r['o_free_t']:+.1f}) | "
-            f"{r['delta_tie_mean']:+.2e} ({r['delta_tie_t']:+.1f}) | "
-            f"{r['delta_free_mean']:+.2e} ({r['delta_free_t']:+.1f}) | {r['o_tie_mabs']:.2e} | "
+            f"| {r['top']} | {r['variant']} | {'on' if r['stable'] else 'off'} | " + stat_cells(r) + " | "
             f"{r['shift_fired_tie']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=2048)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    args = ap.parse_args(argv)
-    results = run(args.rows, args.seed)
-    save_table(results, args.out, "paper_ablation", markdown(results))
+    ablation_main(argv, __doc__, run, markdown, "paper_ablation", DEFAULT_OUT)
 
 
 if __name__ == "__main__":
