@@ -43,8 +43,8 @@ def _timed(f, args, reps, sync=jax.block_until_ready):
 def timed_interleaved(fns, args, reps, rounds, log=print):
     """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
     ``reps`` calls each (``rounds × reps`` samples per fn). Interleaving spreads the host's and the
-    GPU's drift over all of them alike: timed one after another, identical ~1-ms calls differed by
-    up to 12 % within one run (docs/PERF_NOTES.md v9). A fn that fails to compile is logged and left
+    GPU's drift over all of them alike: timed one after another, the stable kernel's extra time at
+    8×2048 read +12.2 % where interleaved runs read +0.8 … +4.0 % (docs/PERF_NOTES.md v9). A fn that fails to compile is logged and left
     out."""
     ready = {}
     for name, f in fns.items():
