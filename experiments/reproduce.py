@@ -3,6 +3,7 @@
     python -m experiments.reproduce run --arm fa2 --seed 0 --steps 3000 --out results/repro
     python -m experiments.reproduce table results/repro [--md results/repro/table.md]
     python -m experiments.reproduce probes results/repro/fa2-s1 [--steps 3000,4000] [--layer 1]
+    python -m experiments.reproduce probe-stats results/repro/fa2-stable-s0 ... [--layers 1]
 
 Configuration: the small-gpu preset (GPT-2 small, 32×1024 tokens/step, AdamW (0.9, 0.95), wd 0,
 clip 1, lr 1e-3 with 500 warmup then cosine over 600 k steps, bf16) on the offline corpus, seed s for
@@ -188,6 +189,55 @@ def probes(args):
                   + fmt(r.get(f"delta_err_tie/{tag}"), "+.2e") + " | " + fmt(rel, "+.2e") + " |")
 
 
+def _mean_t_rms(xs):
+    """Mean, its t statistic (mean / standard error; None for fewer than 2 values or zero spread)
+    and root mean square of a list of numbers."""
+    n = len(xs)
+    mean = sum(xs) / n
+    sd = statistics.stdev(xs) if n > 1 else 0.0
+    return mean, (mean / (sd / n ** 0.5) if sd > 0 else None), (sum(x * x for x in xs) / n) ** 0.5
+
+
+def probe_stats(recs, tag):
+    """Over a run's probes of one layer: is the attention backward's error along W_Q biased, and how
+    large is it against the gradient's own component? ``wq_grad_err`` = ⟨W_Q, g_lp − g_hp⟩ (< 0
+    grows ‖W_Q‖); a probe is one batch, so a bias shows only as a mean that stands out of the
+    probe-to-probe scatter (t). The same for Σ δ error, and the tied rows' share of |Σ δ error|."""
+    probes = [r for r in recs if f"wq_grad_err/{tag}" in r]
+    if not probes:
+        return None
+    err = [r[f"wq_grad_err/{tag}"] for r in probes]
+    grad = [r[f"wq_grad/{tag}"] for r in probes]
+    delta = [r[f"delta_err/{tag}"] for r in probes]
+    tie = [r[f"delta_err_tie/{tag}"] for r in probes]
+    e_mean, e_t, e_rms = _mean_t_rms(err)
+    d_mean, d_t, d_rms = _mean_t_rms(delta)
+    g_rms = _mean_t_rms(grad)[2]
+    return {"probes": len(probes), "wq_grad_err mean": e_mean, "t": e_t, "wq_grad_err rms": e_rms,
+            "wq_grad rms": g_rms, "err/grad rms": e_rms / g_rms if g_rms else None,
+            "Σ δ err mean": d_mean, "t (δ)": d_t, "Σ δ err rms": d_rms,
+            "tied share of Σ δ err (abs)": sum(map(abs, tie)) / sum(map(abs, delta))
+            if any(delta) else None}
+
+
+def probe_stats_cmd(args):
+    from train.gpt2 import read_metrics
+
+    rows = []
+    for run in args.runs:
+        recs = read_metrics(run)
+        for layer in (int(x) for x in args.layers.split(",")):
+            st = probe_stats(recs, f"L{layer}")
+            rows.append({"run": str(run), "layer": f"L{layer}",
+                         **(st or {"probes": "— (no W_Q-gradient probe in this run)"})})
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    fmt = lambda v: f"{v:.2e}" if isinstance(v, float) and abs(v) < 1e-2 else (
+        f"{v:.3g}" if isinstance(v, float) else ("—" if v is None else str(v)))
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -211,8 +261,12 @@ def main(argv=None):
     p.add_argument("runs", nargs="+")
     p.add_argument("--layer", type=int, default=LAYER)
     p.add_argument("--steps", default="", help="comma-separated probe steps (default: all)")
+    ps = sub.add_parser("probe-stats", help="over all probes of a run: mean, t and rms of the W_Q-"
+                        "gradient error and of Σ δ error, the tied rows' share")
+    ps.add_argument("runs", nargs="+")
+    ps.add_argument("--layers", default=str(LAYER), help="comma-separated, 0-based")
     args = ap.parse_args(argv)
-    {"run": run, "table": table, "probes": probes}[args.cmd](args)
+    {"run": run, "table": table, "probes": probes, "probe-stats": probe_stats_cmd}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ def test_run_resume_and_table(tmp_path, capsys):
     assert [l.split("|")[2].strip() for l in rows] == ["4", "6"]
     # the tied rows' δ error and the W_Q-gradient error are there (numbers, not "—") in new runs
     assert all("—" not in l.split("|")[-3] and "—" not in l.split("|")[-2] for l in rows), rows
+    R.main(["probe-stats", str(run), "--layers", "0,1"])
+    rows = [l.split("|") for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {run} |")]
+    assert [(r[2].strip(), r[3].strip()) for r in rows] == [("L0", "3"), ("L1", "3")]  # probes at 2, 4, 6
 
 
 def test_lanes_pack_outputs_and_deadline_skips_arms(tmp_path):
@@ -84,3 +87,25 @@ def test_every_arm_is_a_valid_config():
         att = cfg.model.attention
         assert att.policy in jf.POLICIES and att.delta in DELTAS, arm
     assert "paper-fp32acc-stable" in ARMS
+
+
+def test_probe_stats_reads_bias_scale_and_tied_share():
+    rng = np.random.default_rng()
+    n = 12
+    err = rng.normal(3e-5, 1e-5, n)  # a planted bias well out of the scatter
+    grad = rng.normal(0, 4e-3, n)
+    delta = rng.normal(0, 1e-5, n)
+    tie = 0.25 * delta  # the tied rows carry a quarter of every probe's δ error
+    recs = [{"step": 10 * i, "loss": 3.0} for i in range(n)]  # plain steps have no probe metrics
+    recs += [{"step": 10 * i + 5, "wq_grad_err/L1": float(err[i]), "wq_grad/L1": float(grad[i]),
+              "delta_err/L1": float(delta[i]), "delta_err_tie/L1": float(tie[i])} for i in range(n)]
+    st = R.probe_stats(recs, "L1")
+    assert st["probes"] == n
+    np.testing.assert_allclose(st["wq_grad_err mean"], err.mean(), rtol=1e-12)
+    np.testing.assert_allclose(st["t"], err.mean() / (err.std(ddof=1) / np.sqrt(n)), rtol=1e-10)
+    np.testing.assert_allclose(st["wq_grad_err rms"], np.sqrt(np.mean(err ** 2)), rtol=1e-12)
+    np.testing.assert_allclose(st["err/grad rms"], np.sqrt(np.mean(err ** 2) / np.mean(grad ** 2)),
+                               rtol=1e-10)
+    np.testing.assert_allclose(st["tied share of Σ δ err (abs)"], 0.25, rtol=1e-12)
+    assert st["t"] > 4  # the planted bias stands out
+    assert R.probe_stats(recs, "L0") is None  # a layer (or an old run) without the metric

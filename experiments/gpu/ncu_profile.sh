@@ -14,6 +14,9 @@ CASES=("$@")
                                  8x2048x16x128:fa2:0:fwd 8x2048x16x128:fa2:1:fwd)
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
           --section InstructionStats --section Occupancy --section LaunchStats --section SchedulerStats"
+# SOURCE=1: also sample warp stalls per SASS instruction and write <case>-sass.csv (which load or
+# barrier the backward's long-scoreboard and barrier stalls sit on: docs/PERF_NOTES.md, v9 profile)
+[ "${SOURCE:-0}" = 1 ] && SECTIONS="$SECTIONS --section SourceCounters"
 DRIVER=$(mktemp --suffix=.py)
 cat > "$DRIVER" <<'PY'
 # Runs one attention pass three times; the profiler skips the first (compile, warm-up) call's kernels.
@@ -44,6 +47,8 @@ for case in "${CASES[@]}"; do
   if [ -f "$rep.ncu-rep" ]; then
     ncu --import "$rep.ncu-rep" --csv --page details > "$OUT/ncu/$name.csv" 2>/dev/null
     ncu --import "$rep.ncu-rep" --csv --page raw > "$OUT/ncu/$name-raw.csv" 2>/dev/null
+    [ "${SOURCE:-0}" = 1 ] && { ncu --import "$rep.ncu-rep" --csv --page source --print-source sass \
+      > "$OUT/ncu/$name-sass.csv" 2>&1 || echo "sass page export failed (see $name-sass.csv)"; }
     # the few numbers that answer "what bounds it", per kernel
     python3 - "$OUT/ncu/$name.csv" <<'PY'
 import csv, sys
