@@ -213,8 +213,11 @@ def probe_stats(recs, tag):
     e_mean, e_t, e_rms = _mean_t_rms(err)
     d_mean, d_t, d_rms = _mean_t_rms(delta)
     g_rms = _mean_t_rms(grad)[2]
+    # the part through δ (−Σ ε·S̄), in runs made after the seventh session
+    via = [r[f"wq_grad_err_delta/{tag}"] for r in probes if f"wq_grad_err_delta/{tag}" in r]
+    via_rms = _mean_t_rms(via)[2] if len(via) == len(probes) else None
     return {"probes": len(probes), "wq_grad_err mean": e_mean, "t": e_t, "wq_grad_err rms": e_rms,
-            "wq_grad rms": g_rms, "err/grad rms": e_rms / g_rms if g_rms else None,
+            "via δ rms": via_rms, "wq_grad rms": g_rms, "err/grad rms": e_rms / g_rms if g_rms else None,
             "Σ δ err mean": d_mean, "t (δ)": d_t, "Σ δ err rms": d_rms,
             "tied share of Σ δ err (abs)": sum(map(abs, tie)) / sum(map(abs, delta))
             if any(delta) else None}

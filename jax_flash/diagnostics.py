@@ -80,6 +80,17 @@ def causal_scores(q, k, sm_scale=None):
     return jnp.where(jnp.tril(jnp.ones((t_q, t_k), bool)), s, -jnp.inf)
 
 
+def softmax_mean_score(q, k, sm_scale=None):
+    """S̄ = Σ_j P_ij·S_ij per causal row, ``[B, H, T]`` (FP32): the score a row attends to on average.
+    A δ error ε_i changes the row's q·dQ (its share of ⟨W_Q, ∂L/∂W_Q⟩) by exactly −ε_i·S̄_i."""
+    import jax
+    import jax.numpy as jnp
+
+    s = causal_scores(q, k, sm_scale)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.sum(p * jnp.where(jnp.isfinite(s), s, 0.0), axis=-1)
+
+
 def max_logit(q, k, sm_scale=None):
     """Per head, the largest causal attention logit over batch and rows: ``[H]`` (FP32)."""
     import jax.numpy as jnp

@@ -353,6 +353,78 @@ def test_wq_gradient_error_along_wq(rng):
         np.testing.assert_allclose(lp, np.sum(w * g), rtol=1e-3, atol=1e-6 * np.abs(w * g).sum())
 
 
+@jax.custom_vjp
+def _flash_style_plus_eps(q, k, v):
+    return _plus_eps(q, k, v, None)
+
+
+def _flash_style_plus_eps_fwd(q, k, v):
+    return _flash_style_plus_eps(q, k, v), (q, k, v)
+
+
+def _flash_style_plus_eps_bwd(res, do):
+    """A flash-style backward: dS = P∘(dP − δ) with δ from the (planted, O + EPS) output it returned."""
+    q, k, v = res
+    f32 = lambda a: a.astype(jnp.float32)
+    s = D.causal_scores(q, k)
+    p = jax.nn.softmax(s, axis=-1)  # [b, h, t, t]
+    dop = f32(do)
+    o_out = _plus_eps(q, k, v, None).astype(jnp.float32)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", dop, f32(v), precision="highest")
+    delta = jnp.einsum("bqhd,bqhd->bhq", dop, o_out, precision="highest")
+    ds = p * (dp - delta[..., None])
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, f32(k), precision="highest") * scale
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, f32(q), precision="highest") * scale
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, dop, precision="highest")
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_flash_style_plus_eps.defvjp(_flash_style_plus_eps_fwd, _flash_style_plus_eps_bwd)
+G.register_attention("test_flash_style_plus_eps", lambda q, k, v, spec: _flash_style_plus_eps(q, k, v))
+
+
+def test_wq_gradient_error_through_delta(rng):
+    """``wq_grad_err_delta`` = −Σ ε·S̄: with a backward that forms δ from its own planted output
+    (O + EPS, so ε = EPS·Σ_d dO) and is otherwise exact, the whole W_Q-gradient error comes through δ —
+    the two metrics agree on the planted heads and both are ≈ 0 elsewhere; with the planted dQ
+    error of ``test_dq_plus_eps_q`` (δ untouched) the δ part stays ≈ 0."""
+    def probe_of(kind):
+        cfg = G.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64,
+                          dtype="float32", attention=G.AttentionSpec("standard"),
+                          attention_overrides=((1, (0, 1), G.AttentionSpec(kind)),))
+        model = G.GPT(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 16))))
+        attn = model.blocks[1].attn  # scores of O(1), not ~0 as at init: S̄ must not vanish
+        for w in (attn.wq, attn.wk):
+            w.kernel[...] = w.kernel[...] * 8.0
+        x = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
+        y = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
+        with jax.default_matmul_precision("highest"):
+            return P.CausalChainProbe(n_seq=3)(1, model, (np.asarray(x), np.asarray(y)))
+
+    m = probe_of("test_flash_style_plus_eps")
+    for h in (0, 1):
+        err = m[f"wq_grad_err/L1/H{h}"]
+        assert abs(err) > 1e-6
+        np.testing.assert_allclose(m[f"wq_grad_err_delta/L1/H{h}"], err, rtol=2e-3)
+    for h in (2, 3):
+        assert abs(m[f"wq_grad_err_delta/L1/H{h}"]) < 1e-3 * abs(m["wq_grad_err/L1/H0"])
+    m = probe_of("test_dq_plus_eps_q")
+    for h in (0, 1):
+        assert abs(m[f"wq_grad_err_delta/L1/H{h}"]) < 1e-4 * abs(m[f"wq_grad_err/L1/H{h}"])
+
+
+def test_softmax_mean_score_matches_brute_force(rng):
+    q, k = (rng.standard_normal((2, 9, 3, 8)) for _ in range(2))
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(8)
+    s = np.where(np.tril(np.ones((9, 9), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.sum(p * np.where(np.isfinite(s), s, 0.0), axis=-1)
+    got = D.softmax_mean_score(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
 def test_probes_write_finite_metrics_in_training(probed_run):
     run, chain, snap = probed_run
     ms = T.read_metrics(run)
@@ -377,6 +449,8 @@ def test_probes_write_finite_metrics_in_training(probed_run):
         "delta_err/L1/H3",
         "delta_err_cum/L1",
         "delta_err_abs/L1",
+        "wq_grad_err_delta/L1",
+        "wq_grad_err_delta/L1/H0",
         "probe_time_s",
     }
     for m in probed:

@@ -98,7 +98,8 @@ def test_probe_stats_reads_bias_scale_and_tied_share():
     tie = 0.25 * delta  # the tied rows carry a quarter of every probe's δ error
     recs = [{"step": 10 * i, "loss": 3.0} for i in range(n)]  # plain steps have no probe metrics
     recs += [{"step": 10 * i + 5, "wq_grad_err/L1": float(err[i]), "wq_grad/L1": float(grad[i]),
-              "delta_err/L1": float(delta[i]), "delta_err_tie/L1": float(tie[i])} for i in range(n)]
+              "delta_err/L1": float(delta[i]), "delta_err_tie/L1": float(tie[i]),
+              "wq_grad_err_delta/L1": float(0.5 * err[i])} for i in range(n)]
     st = R.probe_stats(recs, "L1")
     assert st["probes"] == n
     np.testing.assert_allclose(st["wq_grad_err mean"], err.mean(), rtol=1e-12)
@@ -107,5 +108,6 @@ def test_probe_stats_reads_bias_scale_and_tied_share():
     np.testing.assert_allclose(st["err/grad rms"], np.sqrt(np.mean(err ** 2) / np.mean(grad ** 2)),
                                rtol=1e-10)
     np.testing.assert_allclose(st["tied share of Σ δ err (abs)"], 0.25, rtol=1e-12)
+    np.testing.assert_allclose(st["via δ rms"], 0.5 * st["wq_grad_err rms"], rtol=1e-12)
     assert st["t"] > 4  # the planted bias stands out
     assert R.probe_stats(recs, "L0") is None  # a layer (or an old run) without the metric

@@ -43,6 +43,9 @@ is ``L1/H7``):
                                   gradient (dQ_lp: its own backward on the same q, k, v, dO); < 0
                                   pushes ‖W_Q‖ up — the end of the paper's chain, whatever the cause
                                   (signs as for plain gradient steps; Adam rescales per entry)
+``wq_grad_err_delta/L{l}[/H{h}]`` the part of wq_grad_err that comes through δ: −Σ_i (δ_lp − δ_hp)_i·S̄_i,
+                                  S̄_i = Σ_j P_ij·S_ij (FP32 softmax); the rest is the recomputed P,
+                                  dS's and dQ's own roundings (docs/MECHANISM.md §7)
 ``delta_err_cum/L{l}[/H{h}]``     running sum of delta_err over this probe's calls (PAPER Fig. 5a,
                                   sampled every probe_every steps; restarts at 0 on resume)
 ``probe_loss``, ``probe_time_s``  loss on the probe sequences; wall time of the probe call
@@ -241,7 +244,7 @@ class CausalChainProbe:
 
         loss, layers = chain_tensors(model, x, y)
         per = {k: [] for k in ("max_logit", "tie_frac", "delta_err", "delta_err_abs", "delta_err_tie",
-                               "wq_grad", "wq_grad_err") + _LAYER_SCALARS}
+                               "wq_grad", "wq_grad_err", "wq_grad_err_delta") + _LAYER_SCALARS}
         for lay in layers:
             q, k = lay["q"], lay["k"]
             per["max_logit"].append(D.max_logit(q, k))
@@ -264,6 +267,9 @@ class CausalChainProbe:
             q32 = q.astype(jnp.float32)
             per["wq_grad"].append(jnp.sum(q32 * lay["dq_hp"], axis=(0, 1, 3)))
             per["wq_grad_err"].append(jnp.sum(q32 * (lay["dq_lp"] - lay["dq_hp"]), axis=(0, 1, 3)))
+            # its part that comes through δ: −Σ_i ε_i·S̄_i (docs/MECHANISM.md §7); the rest is the
+            # recomputed P, dS's and dQ's own roundings
+            per["wq_grad_err_delta"].append(-jnp.sum(derr * D.softmax_mean_score(q, k), axis=(0, 2)))
             xin = lay["x"].astype(jnp.float32)
             per["act_rms"].append(jnp.sqrt(jnp.mean(xin**2)))
             per["act_max"].append(jnp.max(jnp.abs(xin)))
@@ -330,6 +336,7 @@ class CausalChainProbe:
             m[f"delta_err_tie/{tag}"] = float(out["delta_err_tie"][l])
             m[f"wq_grad/{tag}"] = float(np.sum(out["wq_grad"][l]))
             m[f"wq_grad_err/{tag}"] = float(np.sum(out["wq_grad_err"][l]))
+            m[f"wq_grad_err_delta/{tag}"] = float(np.sum(out["wq_grad_err_delta"][l]))
             for name in _LAYER_SCALARS:
                 if name in out:
                     m[f"{name}/{tag}"] = float(out[name][l])
@@ -340,6 +347,7 @@ class CausalChainProbe:
                     m[f"delta_err/{tag}/H{h}"] = float(derr[l, h])
                     m[f"delta_err_cum/{tag}/H{h}"] = float(self.cum["head"][l, h])
                     m[f"wq_grad_err/{tag}/H{h}"] = float(out["wq_grad_err"][l, h])
+                    m[f"wq_grad_err_delta/{tag}/H{h}"] = float(out["wq_grad_err_delta"][l, h])
         m["probe_time_s"] = dt
         return m
 
