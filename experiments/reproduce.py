@@ -161,12 +161,37 @@ def table(args):
         Path(args.md).write_text(text + "\n")
 
 
+def head_probes(runs, tag, head, want):
+    """Per run and probe step, one head of the layer: max logit, ‖W_Q‖₂, tied rows, Σ δ error, the
+    W_Q-gradient error and −wq_grad_err / Σ δ err — the softmax-mean score S̄ the δ error would need
+    to account for all of it (docs/MECHANISM.md §7: the δ part is −Σ ε·S̄)."""
+    from train.gpt2 import read_metrics
+
+    h = f"{tag}/H{head}"
+    print(f"| run | step | max logit {h} | ‖W_Q‖₂ | tie rows | Σ δ err | ⟨W_Q, Δg⟩ | implied S̄ |")
+    print("|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        for r in read_metrics(run):
+            if f"max_logit/{h}" not in r or (want and r["step"] not in want):
+                continue
+            d, g = r.get(f"delta_err/{h}"), r.get(f"wq_grad_err/{h}")
+            implied = -g / d if d and g is not None else None
+            print(f"| {run} | {r['step']} | {r[f'max_logit/{h}']:.4g} | {r[f'wq_norm/{h}']:.3g} | "
+                  f"{100 * r[f'tie_frac/{h}']:.2f} % | " + (f"{d:+.2e}" if d is not None else "—") + " | "
+                  + (f"{g:+.2e}" if g is not None else "—") + " | "
+                  + (f"{implied:.3g}" if implied is not None else "—") + " |")
+
+
 def probes(args):
     """Per run and probe step: the layer's max logit, its largest head's ‖W_Q‖₂ (and which head), the
-    tie fractions (FP32 and bf16-rounded scores) and the δ error — the rows behind the write-up."""
+    tie fractions (FP32 and bf16-rounded scores) and the δ error — the rows behind the write-up.
+    With ``--head``: that head's series instead (``head_probes``)."""
     from train.gpt2 import read_metrics
 
     tag = f"L{args.layer}"
+    if args.head is not None:
+        return head_probes(args.runs, tag, args.head,
+                           {int(s) for s in args.steps.split(",")} if args.steps else None)
     want = {int(s) for s in args.steps.split(",")} if args.steps else None
     print("| run | step | max logit | max-head ‖W_Q‖₂ (head) | tie rows | tie rows, bf16 S | Σ δ err "
           "| Σ δ err, tied rows | ⟨W_Q, Δg⟩ / \\|⟨W_Q, g⟩\\| |")
@@ -264,6 +289,7 @@ def main(argv=None):
     p.add_argument("runs", nargs="+")
     p.add_argument("--layer", type=int, default=LAYER)
     p.add_argument("--steps", default="", help="comma-separated probe steps (default: all)")
+    p.add_argument("--head", type=int, default=None, help="one head's series (0-based)")
     ps = sub.add_parser("probe-stats", help="over all probes of a run: mean, t and rms of the W_Q-"
                         "gradient error and of Σ δ error, the tied rows' share")
     ps.add_argument("runs", nargs="+")

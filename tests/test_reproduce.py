@@ -46,6 +46,12 @@ def test_run_resume_and_table(tmp_path, capsys):
     assert [l.split("|")[2].strip() for l in rows] == ["4", "6"]
     # the tied rows' δ error and the W_Q-gradient error are there (numbers, not "—") in new runs
     assert all("—" not in l.split("|")[-3] and "—" not in l.split("|")[-2] for l in rows), rows
+    R.main(["probes", str(run), "--head", "2", "--steps", "6"])
+    rows = [l.split("|") for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {run} |")]
+    recs6 = next(r for r in recs if r["step"] == 6 and "max_logit/L1/H2" in r)
+    assert len(rows) == 1 and float(rows[0][3]) == float(f"{recs6['max_logit/L1/H2']:.4g}")
+    implied = -recs6["wq_grad_err/L1/H2"] / recs6["delta_err/L1/H2"]
+    assert float(rows[0][8]) == float(f"{implied:.3g}")
     R.main(["probe-stats", str(run), "--layers", "0,1"])
     rows = [l.split("|") for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {run} |")]
     assert [(r[2].strip(), r[3].strip()) for r in rows] == [("L0", "3"), ("L1", "3")]  # probes at 2, 4, 6
