@@ -88,7 +88,7 @@ def _attention_fn(spec, modules, entries, causal, policy):
 
 
 def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=True, policy="fa2",
-        log=print, out=None):
+        log=print, out=None, sync="call"):
     import jax
     import jax.numpy as jnp
 
@@ -107,7 +107,7 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
         for pss in passes:
             fns = {spec: _jax_pass(_attention_fn(spec, modules, entries, causal, policy), pss)
                    for spec in variants}
-            ms = timed_interleaved(fns, (q, k, v), reps, rounds,
+            ms = timed_interleaved(fns, (q, k, v), reps, rounds, sync=sync,
                                    log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
             first = next(iter(ms.values()), None)
             for spec in ms:
@@ -118,7 +118,7 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
                     stable=None if version == "cudnn" else stable, variant=spec,
                     shape=list(shape), causal=causal, **{"pass": pss}, ms=ms[spec],
                     tflops=pass_flops(shape, causal, pss) / ms[spec] / 1e9,
-                    jax_version=jax.__version__, device=jax.devices()[0].device_kind))
+                    jax_version=jax.__version__, device=jax.devices()[0].device_kind, sync=sync))
                 log(f"{'x'.join(map(str, shape))} {pss} {spec:>24}: {ms[spec]:8.3f} ms  "
                     f"×{ms[spec] / first:.3f} of {next(iter(ms))}")
             if out:  # after every case, so a cut-off run keeps what it measured
@@ -164,6 +164,8 @@ def main(argv=None):
     r.add_argument("--rounds", type=int, default=5)
     r.add_argument("--reps", type=int, default=10)
     r.add_argument("--out", default=None)
+    r.add_argument("--sync", choices=("call", "round"), default="call",
+                   help="bench.attention.timed_interleaved: wait per call, or once per round of calls")
     t = sub.add_parser("table", help="print the markdown table of result files")
     t.add_argument("files", nargs="+")
     args = ap.parse_args(argv)
@@ -176,7 +178,7 @@ def main(argv=None):
     entries = json.loads(Path(args.entries).read_text()) if args.entries else None
     run(args.old, [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
         args.passes.split(","), args.variants.split(","), args.rounds, args.reps, entries=entries,
-        out=args.out)
+        out=args.out, sync=args.sync)
 
 
 if __name__ == "__main__":

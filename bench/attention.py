@@ -29,23 +29,31 @@ import numpy as np
 import jax_flash as jf
 
 
-def _timed(f, args, reps, sync=jax.block_until_ready):
+def _timed(f, args, reps, sync=jax.block_until_ready, calls=1):
+    """Median ms of ``reps`` samples; a sample is ``calls`` calls dispatched back to back, then one
+    sync, divided by ``calls``."""
     sync(f(*args))  # compile + warm-up
     sync(f(*args))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        sync(f(*args))
-        times.append(time.perf_counter() - t0)
+        sync([f(*args) for _ in range(calls)])
+        times.append((time.perf_counter() - t0) / calls)
     return float(np.median(times)) * 1e3
 
 
-def timed_interleaved(fns, args, reps, rounds, log=print):
+def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
     """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
-    ``reps`` calls each (``rounds × reps`` samples per fn). Interleaving spreads the host's and the
-    GPU's drift over all of them alike: timed one after another, the stable kernel's extra time at
-    8×2048 read +12.2 % where interleaved runs read +0.8 … +4.0 % (docs/PERF_NOTES.md v9). A fn that fails to compile is logged and left
-    out."""
+    ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike:
+    timed one after another, the stable kernel's extra time at 8×2048 read +12.2 % where interleaved
+    runs read +0.8 … +4.0 % (docs/PERF_NOTES.md v9). A fn that fails to compile is logged and left out.
+
+    ``sync="call"``: every call is a sample, waited for on its own (``rounds × reps`` samples; each
+    includes the per-call dispatch and sync, ~0.18 ms on the H200 host: PERF_NOTES v9 profile).
+    ``sync="round"``: a round's ``reps`` calls are dispatched back to back and waited for once; the
+    sample is their mean (``rounds`` samples) — the kernels' throughput, as inside a jitted step."""
+    if sync not in ("call", "round"):
+        raise ValueError(f"sync must be 'call' or 'round', got {sync!r}")
     ready = {}
     for name, f in fns.items():
         try:  # compile + warm-up
@@ -58,6 +66,11 @@ def timed_interleaved(fns, args, reps, rounds, log=print):
     times = {name: [] for name in ready}
     for _ in range(rounds):
         for name, f in ready.items():
+            if sync == "round":
+                t0 = time.perf_counter()
+                jax.block_until_ready([f(*args) for _ in range(reps)])
+                times[name].append((time.perf_counter() - t0) / reps)
+                continue
             for _ in range(reps):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(*args))
@@ -99,7 +112,7 @@ def pass_flops(shape, causal, pss):
     return fwd if pss == "fwd" else 3.5 * fwd
 
 
-def _torch_records(shape, causal, passes, reps, base):
+def _torch_records(shape, causal, passes, reps, base, rounds=1):
     """PyTorch SDPA restricted to its FlashAttention-2 backend, [B, H, T, D] layout."""
     try:
         import torch
@@ -121,16 +134,18 @@ def _torch_records(shape, causal, passes, reps, base):
                     o.float().sum().backward()
             return o
 
-        ms = _timed(lambda: run(), (), reps, sync=lambda _: torch.cuda.synchronize())
+        # sync="round" (base["sync"]): `rounds` samples of reps/rounds back-to-back calls, as the JAX ones
+        n, calls = (rounds, max(1, -(-reps // rounds))) if base.get("sync") == "round" else (reps, 1)
+        ms = _timed(lambda: run(), (), n, sync=lambda _: torch.cuda.synchronize(), calls=calls)
         fl = pass_flops(shape, causal, pss)
         out.append(dict(base, impl="torch_flash", policy=None, stable=None, **{"pass": pss}, ms=ms,
                         tflops=fl / ms / 1e9, torch_version=torch.__version__))
     return out
 
 
-def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print, rounds=5):
+def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print, rounds=5, sync="call"):
     """Records for every implementation; per (shape, causal, pass) the JAX ones are timed interleaved
-    (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` samples each in all), PyTorch's after them."""
+    (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all), PyTorch's after them."""
     records = []
     dev = jax.devices()[0].device_kind
     per_round = max(1, -(-reps // rounds))
@@ -138,18 +153,19 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
         rng = np.random.default_rng(0)
         q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
         for causal in causal_modes:
-            base = dict(shape=list(shape), causal=causal, jax_version=jax.__version__, device=dev)
+            base = dict(shape=list(shape), causal=causal, jax_version=jax.__version__, device=dev,
+                        sync=sync)
             impls = {(impl, policy, stable): f for impl, policy, stable, f in _jax_impls(causal)}
             for pss in passes:
                 fns = {key: _jax_pass(f, pss) for key, f in impls.items()}
-                ms = timed_interleaved(fns, (q, k, v), per_round, rounds,
+                ms = timed_interleaved(fns, (q, k, v), per_round, rounds, sync=sync,
                                        log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
                 for (impl, policy, stable), t in ms.items():
                     records.append(dict(base, impl=impl, policy=policy, stable=stable,
                                         **{"pass": pss}, ms=t,
                                         tflops=pass_flops(shape, causal, pss) / t / 1e9))
                     _log_record(records[-1], log)
-            for rec in _torch_records(shape, causal, passes, reps, base):
+            for rec in _torch_records(shape, causal, passes, reps, base, rounds):
                 records.append(rec)
                 _log_record(rec, log)
     return records
@@ -243,8 +259,9 @@ def targets(records):
 
 def write_markdown(path, records, mem, source, device, version, date):
     with open(path, "w") as f:
+        sync = records[0].get("sync", "call") if records else "call"
         f.write(f"# Attention benchmarks\n\n`python -m bench.attention` on {device}, jax {version}, "
-                f"{date} (`{source}`).\n" + markdown(records, mem) + targets(records))
+                f"{date} (`{source}`; timing: sync per {sync}).\n" + markdown(records, mem) + targets(records))
     print("wrote", path)
 
 
@@ -254,6 +271,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30, help="samples per implementation and case")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds they are spread over")
     ap.add_argument("--non-causal", action="store_true", help="also time causal=False")
+    ap.add_argument("--sync", choices=("call", "round"), default="call",
+                    help="call: wait for every call (each sample has the per-call host time in it); "
+                         "round: dispatch a round's calls back to back, wait once (kernel throughput)")
     ap.add_argument("--memory-lengths", default="8192,16384", help="'' to skip")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")
@@ -270,7 +290,7 @@ def main(argv=None):
         return
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     modes = (True, False) if args.non_causal else (True,)
-    records = run(shapes, args.reps, modes, rounds=args.rounds)
+    records = run(shapes, args.reps, modes, rounds=args.rounds, sync=args.sync)
     mem = memory([int(t) for t in args.memory_lengths.split(",") if t])
     device = jax.devices()[0].device_kind.replace(" ", "_")
     out = args.out or f"bench/results/{datetime.date.today()}-{device}.json"

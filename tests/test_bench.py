@@ -49,6 +49,36 @@ def test_timed_interleaved_alternates_and_drops_failures():
     assert len(logged) == 1 and "bad: failed: RuntimeError" in logged[0]
 
 
+def test_timed_interleaved_round_sync_waits_once_per_round():
+    """sync="round": a round's calls go out back to back and are waited for after the last one; the
+    sample is their mean, so a fn of known duration reads that duration in both modes. sync="call":
+    every call is waited for before the next."""
+    import time
+
+    events = []
+
+    class Out:  # stands for a device array: block_until_ready waits on its leaves
+        def block_until_ready(self):
+            events.append("wait")
+            return self
+
+    def sleepy(x):
+        events.append("call")
+        time.sleep(0.005)
+        return Out()
+
+    warm = ["call", "wait"] * 2
+    ms = bench.timed_interleaved({"s": sleepy}, (0,), reps=4, rounds=3, sync="round")
+    assert 4.5 <= ms["s"] < 15
+    assert events == warm + (["call"] * 4 + ["wait"] * 4) * 3
+    events.clear()
+    ms = bench.timed_interleaved({"s": sleepy}, (0,), reps=4, rounds=3, sync="call")
+    assert 4.5 <= ms["s"] < 15
+    assert events == warm + ["call", "wait"] * 12
+    with pytest.raises(ValueError, match="sync"):
+        bench.timed_interleaved({"s": sleepy}, (0,), reps=1, rounds=1, sync="never")
+
+
 def test_memory_grows_linearly_for_flash_quadratically_for_xla():
     """Compiled fwd+bwd temp memory from T = 2048 to 4096: XLA's softmax attention holds B·H·T² scores
     (×4), the flash executor only tiles (×2). Measured: flash 10.0 → 20.1 MiB, XLA 98 → 388 MiB."""
