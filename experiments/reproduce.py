@@ -28,6 +28,7 @@ ARMS = {
     "fa2-ohp": ["attention.kind=flash", "attention.delta=o_hp"],
     "paper": ["attention.kind=flash", "attention.policy=paper"],
     "paper-stable": ["attention.kind=flash", "attention.policy=paper", "attention.stable=true"],
+    "paper-dpp": ["attention.kind=flash", "attention.policy=paper", "attention.delta=dpp"],
     "paper-fp32acc": ["attention.kind=flash", "attention.policy=paper_fp32acc"],
     "paper-fp32acc-stable": ["attention.kind=flash", "attention.policy=paper_fp32acc",
                              "attention.stable=true"],
