@@ -249,6 +249,16 @@ def probe_stats(recs, tag):
             if any(delta) else None}
 
 
+def o_bias_stats(recs, tag):
+    """Over a run's probes: the mean of (O_lp − O_hp)·sign(O_hp) (> 0: the O the backward's δ sees is
+    rounded away from zero) and its t — a bias of the attention output that needs no tie."""
+    away = [r[f"o_err_away/{tag}"] for r in recs if f"o_err_away/{tag}" in r]
+    if len(away) < 2:
+        return {}
+    mean, t, _ = _mean_t_rms(away)
+    return {"O err away mean": mean, "t (O)": t}
+
+
 def probe_stats_cmd(args):
     from train.gpt2 import read_metrics
 
@@ -257,7 +267,7 @@ def probe_stats_cmd(args):
         recs = read_metrics(run)
         for layer in (int(x) for x in args.layers.split(",")):
             st = probe_stats(recs, f"L{layer}")
-            rows.append({"run": str(run), "layer": f"L{layer}",
+            rows.append({"run": str(run), "layer": f"L{layer}", **o_bias_stats(recs, f"L{layer}"),
                          **(st or {"probes": "— (no W_Q-gradient probe in this run)"})})
     cols = list(dict.fromkeys(c for r in rows for c in r))
     fmt = lambda v: f"{v:.2e}" if isinstance(v, float) and abs(v) < 1e-2 else (

@@ -53,8 +53,10 @@ def test_run_resume_and_table(tmp_path, capsys):
     implied = -recs6["wq_grad_err/L1/H2"] / recs6["delta_err/L1/H2"]
     assert float(rows[0][8]) == float(f"{implied:.3g}")
     R.main(["probe-stats", str(run), "--layers", "0,1"])
-    rows = [l.split("|") for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {run} |")]
-    assert [(r[2].strip(), r[3].strip()) for r in rows] == [("L0", "3"), ("L1", "3")]  # probes at 2, 4, 6
+    lines = capsys.readouterr().out.splitlines()
+    col = [c.strip() for c in lines[0].split("|")].index("probes")
+    rows = [l.split("|") for l in lines if l.startswith(f"| {run} |")]
+    assert [(r[2].strip(), r[col].strip()) for r in rows] == [("L0", "3"), ("L1", "3")]  # probes at 2, 4, 6
 
 
 def test_lanes_pack_outputs_and_deadline_skips_arms(tmp_path):
@@ -117,3 +119,8 @@ def test_probe_stats_reads_bias_scale_and_tied_share():
     np.testing.assert_allclose(st["via δ rms"], 0.5 * st["wq_grad_err rms"], rtol=1e-12)
     assert st["t"] > 4  # the planted bias stands out
     assert R.probe_stats(recs, "L0") is None  # a layer (or an old run) without the metric
+    away = rng.normal(-2e-6, 1e-6, n)
+    ob = R.o_bias_stats([{"step": i, "o_err_away/L1": float(a)} for i, a in enumerate(away)], "L1")
+    np.testing.assert_allclose(ob["O err away mean"], away.mean(), rtol=1e-12)
+    np.testing.assert_allclose(ob["t (O)"], away.mean() / (away.std(ddof=1) / np.sqrt(n)), rtol=1e-10)
+    assert R.o_bias_stats(recs, "L1") == {}
