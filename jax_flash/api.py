@@ -129,14 +129,16 @@ def _make_config(q, k, v, *, causal, stable, beta, sm_scale, policy, delta, impl
     # Tuned tiles and launch parameters for the GPU kernels (pallas/tuning.json), where measured.
     tuned = tuning.lookup(policy, head_dim, kv_len, bool(causal)) \
         if impl == "pallas" and jax.default_backend() == "gpu" else {}
-    launch = {p: (tuned[p]["num_warps"], tuned[p]["num_stages"]) for p in ("fwd", "bwd") if p in tuned}
+    launch = {p: (tuned[p]["num_warps"], tuned[p]["num_stages"]) for p in ("fwd", "bwd", "dq")
+              if p in tuned}
     cfg = Config(policy=pol, causal=bool(causal), stable=bool(stable), beta=float(beta),
                  sm_scale=float(sm_scale), delta=delta,
                  block_q=_block(block_q, tuned.get("block_q", pol.block_q), q_len, "block_q"),
                  block_k=_block(block_k, tuned.get("block_k", pol.block_k), kv_len, "block_k"),
                  q_len=q_len, kv_len=kv_len, fwd_launch=launch.get("fwd"),
                  bwd_launch=launch.get("bwd"), split_diagonal=bool(tuned.get("split_diagonal")),
-                 bwd_block=tuned.get("bwd_block"))
+                 bwd_block=tuned.get("bwd_block"), dq_launch=launch.get("dq"),
+                 dq_block=tuned.get("dq_block"))
     if impl == "pallas" and jax.default_backend() == "gpu" and \
             2 * cfg.block_k * head_dim * pol.operand_dtype.itemsize > MAX_KV_TILE_BYTES:
         # K and V tiles must both fit in shared memory (H200: 227 KiB per block).

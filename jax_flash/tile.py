@@ -57,6 +57,11 @@ class Config:
     # extra fully masked tiles a larger block visits add exact zeros): a launch choice of the tuning
     # table, not a change of numerics.
     bwd_block: int | None = None
+    # The dQ kernel on its own (tuning fields "dq" and "dq_block"): its launch and resident query
+    # block, where they differ from the dK/dV kernel's (None: ``bwd_launch`` / ``bwd_block``). The
+    # two backward kernels stall differently (docs/PERF_NOTES.md, v9 profile); same numerics.
+    dq_launch: tuple | None = None
+    dq_block: int | None = None
 
     @property
     def score_scale(self) -> float:

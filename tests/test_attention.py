@@ -246,6 +246,46 @@ def test_bwd_block_is_the_same_arithmetic(rng, policy, causal, tiles, big, split
     assert resident_block(dataclasses.replace(cfg, bwd_block=big), 64, 64) == big
 
 
+@pytest.mark.parametrize("policy,causal,tiles,big", [
+    ("fa2", True, (16, 16), 32), pytest.param("paper", False, (32, 16), 64, marks=pytest.mark.slow)])
+def test_dq_block_on_its_own_is_the_same_arithmetic(rng, policy, causal, tiles, big):
+    """``Config.dq_block`` (the dQ kernel's resident queries, apart from the dK/dV kernel's
+    ``bwd_block``) changes no gradient either way round."""
+    assert_same_values_under(rng, policy, causal, tiles, ({}, {"dq_block": big}))
+    assert_same_values_under(rng, policy, causal, tiles, ({}, {"bwd_block": big, "dq_block": tiles[0]}))
+
+
+def test_dq_launch_and_block_reach_the_dq_kernel_only(monkeypatch):
+    """The dQ kernel takes ``dq_launch`` / ``dq_block`` where set, the dK/dV kernel keeps
+    ``bwd_launch`` / ``bwd_block``: grids and the launch each pallas_call is built with."""
+    import dataclasses
+    import importlib
+
+    from jax_flash import api
+
+    bwd = importlib.import_module("jax_flash.pallas.backward")
+    x = jnp.zeros((1, 64, 1, 32), BF16)
+    lse = jnp.zeros((1, 1, 64), jnp.float32)
+    cfg, _ = api._make_config(x, x, x, causal=True, stable=False, beta=2.0, sm_scale=None,
+                              policy="fa2", delta="o", impl="pallas", block_q=16, block_k=16)
+    launches = []
+    monkeypatch.setattr(bwd, "compiler_params", lambda launch, d, bq, bk, **kw: launches.append(
+        (launch, bq, bk)))
+
+    def grids(c):
+        launches.clear()
+        jaxpr = jax.make_jaxpr(lambda *a: bwd.backward(*a, c))(x, x, x, x, lse, lse)
+        return [e.params["grid_mapping"].grid[0] for e in jaxpr.jaxpr.eqns
+                if e.primitive.name == "pallas_call"]
+
+    assert grids(cfg) == [4, 4]  # dK/dV over 4 key tiles, dQ over 4 query blocks
+    assert grids(dataclasses.replace(cfg, bwd_launch=(4, 2), dq_launch=(8, 3), dq_block=32)) == [4, 2]
+    assert launches == [((4, 2), 16, 16), ((8, 3), 32, 16)]
+    assert grids(dataclasses.replace(cfg, bwd_block=32, dq_block=16)) == [2, 4]
+    assert grids(dataclasses.replace(cfg, bwd_block=32)) == [2, 2]  # one block for both, as before
+    assert launches == [(None, 32, 32)]
+
+
 def test_bwd_block_falls_back_where_it_does_not_fit():
     """A resident block that is no multiple of the tiles, or does not divide the padded lengths, is
     not used (the kernels then keep one tile per program)."""

@@ -4,6 +4,7 @@ GPU by `python -m bench.attention`, never asserted in tests."""
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from bench import ab
@@ -102,7 +103,8 @@ def test_tuning_table_reaches_the_kernel_config(monkeypatch):
     kw = dict(causal=True, stable=False, beta=2.0, sm_scale=None, policy="fa2", delta="o",
               impl="pallas", block_q=None, block_k=None)
     entry = {"block_q": 128, "block_k": 32, "fwd": {"num_warps": 8, "num_stages": 3},
-             "bwd": {"num_warps": 4, "num_stages": 2}, "split_diagonal": True}
+             "bwd": {"num_warps": 4, "num_stages": 2}, "split_diagonal": True,
+             "dq": {"num_warps": 8, "num_stages": 3}, "dq_block": 256}
     assert tuning.key("fa2", 64, 1000, True) == "fa2/d64/t1024/causal"
     with tuning.override(entry):
         cpu_cfg, _ = _make_config(x, x, x, **kw)
@@ -112,8 +114,40 @@ def test_tuning_table_reaches_the_kernel_config(monkeypatch):
     assert (cpu_cfg.block_q, cpu_cfg.block_k, cpu_cfg.fwd_launch) == (64, 64, None)
     assert impl == "pallas" and (cfg.block_q, cfg.block_k) == (128, 32)
     assert cfg.fwd_launch == (8, 3) and cfg.bwd_launch == (4, 2)
+    assert cfg.dq_launch == (8, 3) and cfg.dq_block == 256 and cfg.bwd_block is None
     assert cfg.split_diagonal and not cpu_cfg.split_diagonal
     assert user.block_k == 64
+
+
+def test_shipped_ab_entries_build_their_configs(monkeypatch):
+    """Every entry of bench/entries-*.json (the next GPU session's A/B variants) is a valid tuning
+    entry: its launches and resident blocks reach the Config and fit a 4×8192×16×128 call."""
+    import dataclasses
+    import glob
+    import importlib
+
+    from jax_flash.api import _make_config
+    from jax_flash.pallas import tuning
+
+    bwd = importlib.import_module("jax_flash.pallas.backward")
+    files = glob.glob("bench/entries-*.json")
+    assert files
+    x = jax.ShapeDtypeStruct((4, 8192, 16, 128), jnp.bfloat16)
+    kw = dict(causal=True, stable=False, beta=2.0, sm_scale=None, policy="fa2", delta="o",
+              impl="pallas", block_q=None, block_k=None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for f in files:
+        for name, entry in json.load(open(f)).items():
+            with tuning.override(entry):
+                cfg, impl = _make_config(x, x, x, **kw)
+            assert impl == "pallas", name
+            if "dq" in entry:
+                assert cfg.dq_launch == (entry["dq"]["num_warps"], entry["dq"]["num_stages"]), name
+            for field in ("bwd_block", "dq_block"):
+                if field in entry:
+                    block = getattr(cfg, field)
+                    assert bwd.resident_block(dataclasses.replace(cfg, bwd_block=block), 8192, 8192) \
+                        == entry[field], (name, field)
 
 
 def test_default_launch_without_a_table_entry():

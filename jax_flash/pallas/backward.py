@@ -151,12 +151,20 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
     nq = tq // cfg.block_q
-    big = resident_block(cfg, tq, tk)
-    # dK/dV programs keep `big` keys, dQ programs `big` queries; the streamed tiles are unchanged
-    dkdv_cfg = dataclasses.replace(cfg, block_k=big) if big else cfg
-    dq_cfg = dataclasses.replace(cfg, block_q=big) if big else cfg
+    # dK/dV programs keep `big_k` keys, dQ programs `big_q` queries; the streamed tiles are unchanged
+    big_k = resident_block(cfg, tq, tk)
+    big_q = resident_block(dataclasses.replace(cfg, bwd_block=cfg.dq_block), tq, tk) \
+        if cfg.dq_block is not None else big_k
+    dkdv_cfg = dataclasses.replace(cfg, block_k=big_k) if big_k else cfg
+    dq_cfg = dataclasses.replace(cfg, block_q=big_q) if big_q else cfg
     bq, bk = dq_cfg.block_q, dkdv_cfg.block_k
-    params = compiler_params(cfg.bwd_launch, d, bq, bk, backward=True, itemsize=q.dtype.itemsize)
+    itemsize = q.dtype.itemsize
+    if cfg.dq_launch is None and cfg.dq_block is None:  # one launch for both kernels, as before
+        params = dq_params = compiler_params(cfg.bwd_launch, d, bq, bk, backward=True, itemsize=itemsize)
+    else:
+        params = compiler_params(cfg.bwd_launch, d, cfg.block_q, bk, backward=True, itemsize=itemsize)
+        dq_params = compiler_params(cfg.dq_launch or cfg.bwd_launch, d, bq, cfg.block_k,
+                                    backward=True, itemsize=itemsize)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=dkdv_cfg, nq=nq),
         grid=(tk // bk, bsz, h),
@@ -176,7 +184,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
         out_specs=_block_spec(bq, d),
         out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
         interpret=interpret_mode(),
-        compiler_params=params,
+        compiler_params=dq_params,
         name=_name("dq", cfg),
     )(q, k, v, do, lse, dlt)
     return dq, dk, dv

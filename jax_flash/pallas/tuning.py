@@ -4,9 +4,10 @@
 package; a missing entry means the built-in defaults (64×64 tiles for "fa2"/"fp32", 32×512 for
 "paper"; 4 warps, or 8 for large tiles; 2 stages). `override` lets the tuner try candidates.
 Entries: ``{"block_q", "block_k", "fwd": {"num_warps", "num_stages"}, "bwd": {...}, "split_diagonal",
-"bwd_block"}`` (tiles shared by all kernels of a call; ``split_diagonal``: mask-free loops below the
-causal diagonal; ``bwd_block``: rows a backward program keeps resident — both the same values, see
-``tile.Config``). The key tile size changes the numerics (the online-softmax rescaling); the
+"bwd_block"}`` and optionally ``"dq": {...}``, ``"dq_block"`` (tiles shared by all kernels of a call;
+``split_diagonal``: mask-free loops below the causal diagonal; ``bwd_block``: rows a backward program
+keeps resident; ``dq`` / ``dq_block``: the dQ kernel's own launch and resident block — all the same
+values, see ``tile.Config``). The key tile size changes the numerics (the online-softmax rescaling); the
 tuner keeps "paper" at its 512-wide key tiles.
 """
 
