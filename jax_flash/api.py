@@ -39,7 +39,8 @@ def attention(q, k, v, *, causal=True, stable=False, beta=2.0, sm_scale=None, po
         [10, 20) nats (varying with r_m: a constant offset would bias O), so tied entries keep
         P̄ ≥ e⁻²⁰; for finite inputs O and the gradients stay finite and accurate for any β and any
         score size (the authors' kernel collapses O towards 0 once (β − 1)·r_m ≳ 23). On tie-free
-        inputs the result is bitwise identical to ``stable=False``.
+        inputs it performs the same operations as ``stable=False`` (bitwise equal up to a compiler
+        fusing the two programs differently: an FP32 ulp, rarely a BF16 flip).
       beta: the paper's β (> 1); 2.0 follows the authors' current code, the paper's Figure 7 uses 7.
       sm_scale: score scale; ``None`` means 1/√head_dim.
       policy: where the roundings happen — "fa2" (production FA2 numerics, FP32 softmax state),

@@ -236,7 +236,10 @@ def test_paper_ablation_cells(rng):
 def test_stable_beta_cells(rng):
     """experiments/stable_beta.py on fresh rows: with both ties in one key tile the "fa2" tie bias
     (t > 20) is gone at every β (|t| < 4); with the ties split over two tiles the shift never fires
-    and changes no bit; the tie-free rows' bias is the same at every β."""
+    and changes nothing; the tie-free rows' bias is the same at every β. ("Nothing" up to the
+    compiler: XLA:CPU may fuse the stable program's exp differently, and an FP32 ulp then flips a
+    BF16 rounding — seen once, 1 element of 1024 × 64 (JAX_FLASH_SEED=834684990) — so the cell
+    statistics are compared to 1e-4 relative, not bitwise.)"""
     from experiments import stable_beta as sb
 
     res = {(r["ties"], r["beta"]): r for r in sb.run(rows=1024, seed=int(rng.integers(1 << 30)),
@@ -246,6 +249,7 @@ def test_stable_beta_cells(rng):
         assert abs(res["one tile", beta]["o_tie_t"]) < 4, beta
         assert res["one tile", beta]["shift_fired_tie"] == 1.0
         assert res["split", beta]["shift_fired_tie"] == 0.0
+        same = lambda a, b: a == b or abs(a - b) <= 1e-4 * abs(b)
         for col in sb.COLUMNS:
-            assert res["split", beta][col] == res["split", "off"][col], (beta, col)
-        assert res["one tile", beta]["o_free_mean"] == res["one tile", "off"]["o_free_mean"]
+            assert same(res["split", beta][col], res["split", "off"][col]), (beta, col)
+        assert same(res["one tile", beta]["o_free_mean"], res["one tile", "off"]["o_free_mean"])

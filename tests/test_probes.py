@@ -284,19 +284,26 @@ def test_delta_error_of_tied_rows(rng, monkeypatch):
     (every even row; a random FP32 model has no exact ties) it is the planted error summed over
     exactly those rows."""
     model = _planted_model()
-    x = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
-    y = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
     even = lambda q, k, policy="fa2": jnp.broadcast_to(
         (jnp.arange(q.shape[1]) % 2 == 0)[None, None, :], (q.shape[0], q.shape[2], q.shape[1]))
     monkeypatch.setattr(D, "tied_row_mask", even)
+    # tokens whose odd rows carry a share of the error that a sum over all rows would not hide
+    # (a random draw gives |odd share| < 10 % about one time in ten: draw again)
+    for _ in range(6):
+        x = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
+        y = jnp.asarray(rng.integers(0, 128, (3, 32)), jnp.int32)
+        with jax.default_matmul_precision("highest"):
+            _, layers = P.chain_tensors(model, x, y)
+        derr = np.asarray(layers[1]["dlt_lp"] - layers[1]["dlt_hp"], np.float64)  # [b, H, t]
+        want = derr[:, :, 0::2].sum()
+        if abs(want - derr.sum()) > 0.1 * abs(want):
+            break
+    else:
+        pytest.fail("six draws without an informative odd-row share")
     with jax.default_matmul_precision("highest"):
-        _, layers = P.chain_tensors(model, x, y)
         m = P.CausalChainProbe(n_seq=3)(1, model, (np.asarray(x), np.asarray(y)))
-    derr = np.asarray(layers[1]["dlt_lp"] - layers[1]["dlt_hp"], np.float64)  # [b, H, t]
     # the planted error (heads 0, 1) is there to be found, the other heads' is FP32 noise
     assert np.abs(derr[:, 2:]).max() < 1e-3 * np.abs(derr[:, :2]).max()
-    want = derr[:, :, 0::2].sum()
-    assert abs(want - derr.sum()) > 0.1 * abs(want)  # the odd rows carry a different share
     np.testing.assert_allclose(m["delta_err_tie/L1"], want, rtol=1e-3)
     assert m["tie_frac/L1"] == pytest.approx(0.5)
 
