@@ -59,6 +59,12 @@ def run(args):
     px, py = data_lib.fixed_batch(tokens.val, 8, cfg.data.seq_len or cfg.model.block_size, seed=7)
     chain = CausalChainProbe(n_seq=8, per_head=True)
     probes = [lambda step, model, batch: chain(step, model, (px, py))]
+    if args.snapshot_steps:  # L1's q, k, v, dO for experiments/real_chain.py (CPU)
+        from train.probes import LayerTensorProbe
+
+        probes.append(LayerTensorProbe(run_dir / "tensors", (px, py), layer=LAYER,
+                                       steps=[int(s) for s in args.snapshot_steps.split(",")],
+                                       n_seq=args.snapshot_seqs))
     if args.compare_torch_at:  # GPU only: our "fa2" kernel vs PyTorch flash on the model's tensors
         from experiments.gpu.torch_compare import TorchFlashCompare
 
@@ -292,6 +298,10 @@ def main(argv=None):
     r.add_argument("--out", default="results/repro")
     r.add_argument("--compare-torch-at", default="",
                    help="steps (comma-separated) at which to compare with PyTorch flash (GPU + torch)")
+    r.add_argument("--snapshot-steps", default="",
+                   help="steps (comma-separated) at which to save L1's q, k, v, dO (train.probes."
+                        "save_layer_tensors) under <run>/tensors/, for experiments/real_chain.py")
+    r.add_argument("--snapshot-seqs", type=int, default=1, help="probe sequences per snapshot")
     r.add_argument("overrides", nargs="*", help="extra key=value overrides (e.g. model.n_layer=6)")
     t = sub.add_parser("table")
     t.add_argument("roots", nargs="+", help="folders of runs (sub-folders are searched too)")

@@ -22,13 +22,17 @@ def test_run_resume_and_table(tmp_path, capsys):
     run = tmp_path / "runs" / "fa2-s3"
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["seed"] == 3 and cfg["model"]["attention"]["kind"] == "flash"
-    R.main(args + ["--steps", "6"] + MICRO)  # continues from the step-4 checkpoint
+    R.main(args + ["--steps", "6", "--snapshot-steps", "6"] + MICRO)  # continues from step 4
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == 4
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in recs if "loss" in r]
     assert steps == sorted(set(steps)) and steps[-1] == 6  # no step twice, none lost
     assert [r["step"] for r in recs if "max_logit/L1" in r] == [2, 4, 6]
+    from train.probes import load_layer_tensors
+
+    snap = load_layer_tensors(run / "tensors" / "L1_step6.npz")  # L1's q, k, v, dO at step 6
+    assert snap["step"] == 6 and snap["q"].shape == snap["do"].shape == (1, 32, 4, 16)
     capsys.readouterr()
     R.main(["table", str(tmp_path / "runs"), "--md", str(tmp_path / "t.md")])
     table = (tmp_path / "t.md").read_text()

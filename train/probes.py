@@ -418,6 +418,73 @@ class SnapshotProbe:
         return {}
 
 
+# ------------------------------------------------------------ a layer's tensors (for CPU analyses)
+_TENSORS = ("q", "k", "v", "do")
+
+
+@functools.lru_cache(maxsize=8)
+def _layer_tensors_fn(graphdef, layer: int):
+    def fn(params, x, y):
+        _, layers = chain_tensors(nnx.merge(graphdef, params), x, y)
+        return {n: layers[layer][n] for n in _TENSORS}
+
+    return jax.jit(fn)
+
+
+def save_layer_tensors(model, batch, layer: int, path, *, n_seq: int = 1, step=None) -> Path:
+    """Save one layer's attention inputs q, k, v and the probe loss's cotangent of its output dO, all
+    heads, ``[b, t, H, hd]``, as training computed them on the first ``n_seq`` sequences of
+    ``batch = (x, y)`` — the inputs on which ``experiments/real_chain.py`` re-runs every arm's kernel
+    on a CPU. 16-bit floats are stored as their bits (uint16; ``load_layer_tensors`` restores them):
+    GPT-2 small's L1, one sequence: 1.5 MiB per tensor."""
+    graphdef, state = nnx.split(model)
+    x, y = batch
+    n = min(n_seq, np.asarray(x).shape[0])
+    out = jax.device_get(_layer_tensors_fn(graphdef, int(layer))(
+        nnx.to_pure_dict(state), jnp.asarray(np.asarray(x)[:n], jnp.int32),
+        jnp.asarray(np.asarray(y)[:n], jnp.int32)))
+    arrays = {}
+    for name in _TENSORS:
+        a = np.asarray(out[name])
+        arrays[name] = a.view(np.uint16) if a.dtype.itemsize == 2 else a
+        arrays[f"{name}_dtype"] = np.array(str(a.dtype))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, layer=layer, step=-1 if step is None else step,
+                        head_dim=model.config.head_dim, **arrays)
+    return path
+
+
+def load_layer_tensors(path) -> dict:
+    """``save_layer_tensors``'s file: q, k, v, dO as jnp arrays in their training dtype, and layer /
+    step."""
+    f = np.load(path)
+    out = {"layer": int(f["layer"]), "step": int(f["step"])}
+    for name in _TENSORS:
+        dtype = jnp.dtype(str(f[f"{name}_dtype"]))
+        a = f[name]
+        out[name] = jnp.asarray(a.view(dtype) if dtype.itemsize == 2 else a)
+    return out
+
+
+class LayerTensorProbe:
+    """Calls ``save_layer_tensors`` on a fixed batch at the given steps, to
+    ``out_dir/L{layer}_step{step}.npz``."""
+
+    def __init__(self, out_dir, batch, layer: int = 1, steps=(), n_seq: int = 1):
+        self.out_dir, self.batch, self.layer = Path(out_dir), batch, layer
+        self.steps, self.n_seq = set(int(s) for s in steps), n_seq
+        self.saved: list[Path] = []
+
+    def __call__(self, step, model, batch) -> dict:
+        del batch  # the fixed batch, the same in every arm
+        if step in self.steps:
+            path = self.out_dir / f"L{self.layer}_step{step}.npz"
+            self.saved.append(save_layer_tensors(model, self.batch, self.layer, path,
+                                                 n_seq=self.n_seq, step=step))
+        return {}
+
+
 def default_probes(cfg) -> list:
     """The probes ``python -m train.probes`` runs: the causal-chain probe (when probe_every > 0)."""
     return [CausalChainProbe()] if cfg.probe_every else []

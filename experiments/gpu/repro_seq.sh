@@ -14,6 +14,9 @@
 #      VARIANT=NAME OVERRIDES="model.n_layer=6 ..." runs every arm with these config overrides (JAX
 #      arms only), kept apart under $RUNS/NAME/ and $OUT/repro-NAME/;
 #      DEADLINE=EPOCH_S (set by lanes.sh) shortens each arm's limit so that the last one ends by then.
+#      SNAP_STEPS=3000,4000 saves L1's q, k, v, dO (one probe sequence, all heads: ~6 MiB a step) at
+#      those steps and copies them to $OUT/repro/<run>/, for experiments/real_chain.py on a CPU —
+#      mind the device's 16 MiB per returned file (lanes.sh packs everything into one).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; RUNS=${RUNS:-/tmp/jf-repro}; LIMIT=$1; shift
@@ -44,11 +47,13 @@ for spec in "$@"; do
   else
     timeout "$lim" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
       --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
-      --checkpoint-every "${CKPT_EVERY:-1000}" --resume true "${EXTRA[@]}" >> "$RUNS/$name.log" 2>&1
+      --checkpoint-every "${CKPT_EVERY:-1000}" --resume true --snapshot-steps "${SNAP_STEPS:-}" \
+      "${EXTRA[@]}" >> "$RUNS/$name.log" 2>&1
   fi
   echo "$name: exit $?"; tail -5 "$RUNS/$name.log"
   mkdir -p "$DEST/$name"
   cp "$RUNS/$name"/{config.json,summary.json} "$DEST/$name/" 2>/dev/null
   gzip -c "$RUNS/$name/metrics.jsonl" > "$DEST/$name/metrics.jsonl.gz"
+  cp "$RUNS/$name"/tensors/*.npz "$DEST/$name/" 2>/dev/null
 done
 python3 -m experiments.reproduce table "$DEST"
