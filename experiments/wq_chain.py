@@ -15,7 +15,7 @@ forward only), dS's and dQ's own roundings — is "the rest".
 Per cell, against float64 on the same BF16 inputs and dO (``bias_map.bias_rows``: 512 keys, two
 exactly tied maxima in half the rows, remainders at r_m − gap ± 1 (gap 13: tiny remainders; gap 6: a
 remainder mass of ~1, where a recomputed P that is not the forward's softmax would show most),
-V ~ N(−1.5, 1), dO along V's sign; r_m ~ U(6, 10) and U(20, 30)): total = q·(dQ_lp − dQ_hp) with dQ_lp rounded to BF16 as the kernels
+V ~ N(−1.5, 1), dO along V's sign; r_m ~ U(6, 10) and U(20, 30); then at gap 13 a zero-mean dO): total = q·(dQ_lp − dQ_hp) with dQ_lp rounded to BF16 as the kernels
 write it, its δ part −(δ_lp − δ_hp)·S̄ and the rest, mean (t) on tied and on tie-free rows, and the
 mean |q·dQ_hp| for scale. The kernel is the tile code both executors run (``jax_flash.tile``), one
 query row per problem, as in ``bias_map``. Writes ``wq_chain.csv`` and ``wq_chain.md`` into ``--out``.
@@ -50,6 +50,10 @@ ARMS = (
 )
 TOPS = ((6.0, 10.0), (20.0, 30.0))
 GAPS = (13.0, 6.0)
+# dO along V's sign (the bias map's; it makes a biased O show in δ) in every (gap, r_m) cell, then a
+# zero-mean dO at gap 13: a δ bias needs dO to correlate with O's error, which zero-mean dO does not
+CASES = [(gap, top, "V's sign") for gap, top in itertools.product(GAPS, TOPS)] + \
+        [(GAPS[0], top, "zero-mean") for top in TOPS]
 KV_LEN = 512
 PARTS = ("total", "delta", "rest")
 
@@ -121,18 +125,20 @@ def run(rows: int, seed: int, progress=True):
 
     rng = np.random.default_rng(seed)
     results = []
-    bar = tqdm(total=len(GAPS) * len(TOPS) * len(ARMS), desc="W_Q-gradient cells", disable=not progress)
-    for gap, top in itertools.product(GAPS, TOPS):
+    bar = tqdm(total=len(CASES) * len(ARMS), desc="W_Q-gradient cells", disable=not progress)
+    for gap, top, do_mode in CASES:
         q, k, v, counts = bias_rows(rng, rows, kv_len=KV_LEN, ties=2, top=top, gap=gap)
         q, k, v = (np.asarray(jnp.asarray(x, BF16), np.float32) for x in (q, k, v))
-        do = make_do(rng, v)
+        do = make_do(rng, v) if do_mode == "V's sign" else \
+            np.asarray(jnp.asarray(rng.standard_normal(q.shape), BF16), np.float64)
         dq_hp, dlt_hp, s_bar = exact_backward(q, k, v, do)
         tie = counts > 1
         for label, policy, stable, delta in ARMS:
             dq_lp, dlt_lp = backward_runner(arm_config(policy, stable, delta))(
                 *(jnp.asarray(x, BF16) for x in (q, k, v, do)))
             parts = decompose(q, dq_lp, dlt_lp, dq_hp, dlt_hp, s_bar)
-            row = dict(arm=label, gap=gap, top=f"{top[0]:g}–{top[1]:g}", rows=rows, tie_rows=int(tie.sum()),
+            row = dict(arm=label, gap=gap, top=f"{top[0]:g}–{top[1]:g}", dO=do_mode, rows=rows,
+                       tie_rows=int(tie.sum()),
                        own_mabs=float(np.abs(parts["own"]).mean()))
             for part in PARTS:
                 for sub, sel in (("tie", tie), ("free", ~tie)):
@@ -146,10 +152,10 @@ def run(rows: int, seed: int, progress=True):
 
 def markdown(results) -> str:
     head = " | ".join(f"{p} {s}: mean (t)" for p in ("total", "δ part", "rest") for s in ("tie", "tie-free"))
-    lines = [f"| gap | r_m | arm | {head} | mean abs q·dQ_hp |", "|---|---|---|" + "---|" * 7]
+    lines = [f"| gap | r_m | dO | arm | {head} | mean abs q·dQ_hp |", "|---|---|---|---|" + "---|" * 7]
     for r in results:
         cells = [f"{r[f'{p}_{s}_mean']:+.2e} ({r[f'{p}_{s}_t']:+.1f})" for p in PARTS for s in ("tie", "free")]
-        lines.append(f"| {r['gap']:g} | {r['top']} | {r['arm']} | " + " | ".join(cells)
+        lines.append(f"| {r['gap']:g} | {r['top']} | {r['dO']} | {r['arm']} | " + " | ".join(cells)
                      + f" | {r['own_mabs']:.2e} |")
     return "\n".join(lines) + "\n"
 

@@ -69,8 +69,7 @@ def test_run_separates_delta_fixes_from_the_baseline(rng, monkeypatch):
     tiny remainders), δ = dpp's δ part is ~0 (orders of magnitude smaller), and the CSV/markdown rows
     come out complete."""
     monkeypatch.setattr(wc, "ARMS", (("fa2", "fa2", False, "o"), ("fa2 + δ=dpp", "fa2", False, "dpp")))
-    monkeypatch.setattr(wc, "GAPS", (13.0,))
-    monkeypatch.setattr(wc, "TOPS", ((6.0, 10.0),))
+    monkeypatch.setattr(wc, "CASES", [(13.0, (6.0, 10.0), "V's sign")])
     res = wc.run(rows=256, seed=int(rng.integers(1 << 31)), progress=False)
     base, dpp = res
     assert base["delta_tie_t"] > 4 and abs(base["rest_tie_t"]) < 4
