@@ -153,7 +153,11 @@ def test_pallas_matches_jnp_bitwise_or_ulps(rng, dtype, policy, stable):
             bound = bound + out_eps * np.abs(b)
         assert np.mean(a == b) >= 0.2
     else:
-        bound = out_eps * np.maximum(np.abs(a), np.abs(b))
+        # "paper" stores ℓ in the 16-bit dtype: an FP32 last-bit difference of a tile sum can flip
+        # that rounding (see L below), and the row's whole O then moves by one ulp of ℓ on top of its
+        # own rounding — seen: one FP16 row, 12 outputs 1.0–1.4 eps apart (JAX_FLASH_SEED=2355164130)
+        ulps = 2 if policy == "paper" else 1
+        bound = ulps * out_eps * np.maximum(np.abs(a), np.abs(b))
         assert np.mean(a == b) >= 0.995, np.mean(a == b)
     assert np.all(np.abs(a - b) <= bound)
     # L = m + log ℓ: besides the above, XLA:CPU's vectorised and scalar log may differ by an ulp, and
