@@ -62,6 +62,10 @@ class Config:
     # two backward kernels stall differently (docs/PERF_NOTES.md, v9 profile); same numerics.
     dq_launch: tuple | None = None
     dq_block: int | None = None
+    # Pallas dK/dV kernel: load the next query block's L and δ one iteration ahead (carried in the
+    # loop), so that their global-load latency overlaps this block's MMAs (tuning field
+    # "prefetch_rows"). The same values in the same order; a launch choice.
+    prefetch_rows: bool = False
 
     @property
     def score_scale(self) -> float:

@@ -259,6 +259,16 @@ def test_dq_block_on_its_own_is_the_same_arithmetic(rng, policy, causal, tiles, 
     assert_same_values_under(rng, policy, causal, tiles, ({}, {"bwd_block": big, "dq_block": tiles[0]}))
 
 
+@pytest.mark.parametrize("policy,causal,tiles,extra", [
+    ("fa2", True, (16, 16), {}), ("fa2", True, (16, 32), {"split_diagonal": True}),
+    pytest.param("paper", True, (32, 16), {"bwd_block": 64}, marks=pytest.mark.slow),
+    pytest.param("fa2", False, (16, 16), {}, marks=pytest.mark.slow)])
+def test_prefetch_rows_is_the_same_arithmetic(rng, policy, causal, tiles, extra):
+    """``Config.prefetch_rows`` (the dK/dV kernel loads the next query block's L and δ a loop
+    iteration ahead) changes no gradient, with the mask-free split and a resident block too."""
+    assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "prefetch_rows": True}))
+
+
 def test_dq_launch_and_block_reach_the_dq_kernel_only(monkeypatch):
     """The dQ kernel takes ``dq_launch`` / ``dq_block`` where set, the dK/dV kernel keeps
     ``bwd_launch`` / ``bwd_block``: grids and the launch each pallas_call is built with."""

@@ -96,25 +96,35 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     v = v_ref[...].astype(pol.operand_dtype)
     d = k.shape[-1]
 
+    def rows_of(i):  # L and δ of query block i (clamped: the last prefetch reads a block unused)
+        rows = pl.ds(jnp.minimum(i, nq - 1) * bq, bq)
+        return lse_ref[rows], delta_ref[rows]
+
     def body(i, acc, mask):
         rows = pl.ds(i * bq, bq)
         q = q_ref[rows, :].astype(pol.operand_dtype)
         do = do_ref[rows, :].astype(pol.operand_dtype)
+        if cfg.prefetch_rows:  # this block's L, δ came with the carry; the next block's load now
+            dk, dv, lse, dlt = acc
+            nxt = rows_of(i + 1)
+            return (*tile.backward_tile_dkdv(dk, dv, q, k, v, do, lse, dlt, mask, cfg), *nxt)
         return tile.backward_tile_dkdv(*acc, q, k, v, do, lse_ref[rows], delta_ref[rows], mask, cfg)
 
     masked = lambda i, acc: body(i, acc, tile.tile_mask(i * bq, j * bk, bq, bk, cfg, transposed=True))
     # Query blocks entirely above the causal diagonal see none of this key tile.
     first = (j * bk) // bq if cfg.causal else 0
     zeros = jnp.zeros((bk, d), jnp.float32)
+    init = (zeros, zeros, *rows_of(first)) if cfg.prefetch_rows else (zeros, zeros)
     if cfg.split_diagonal:
         # blocks from the first one whose first row is at or below this tile's last key need no mask
         # (when the tile lies inside kv_len); they come last, so the accumulation order is unchanged
         first_full = pl.cdiv((j + 1) * bk - 1, bq) if cfg.causal else 0
         first_full = jnp.where((j + 1) * bk <= cfg.kv_len, jnp.clip(first_full, first, nq), nq)
-        acc = lax.fori_loop(first, first_full, masked, (zeros, zeros))
-        dk, dv = lax.fori_loop(first_full, nq, lambda i, acc: body(i, acc, None), acc)
+        acc = lax.fori_loop(first, first_full, masked, init)
+        acc = lax.fori_loop(first_full, nq, lambda i, acc: body(i, acc, None), acc)
     else:
-        dk, dv = lax.fori_loop(first, nq, masked, (zeros, zeros))
+        acc = lax.fori_loop(first, nq, masked, init)
+    dk, dv = acc[:2]
     dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
