@@ -32,6 +32,8 @@ ARMS = {
     "fa2-dpp": dict(policy="fa2", delta="dpp"),
     "paper": dict(policy="paper"),
     "paper-stable": dict(policy="paper", stable=True),
+    "paper-dpp": dict(policy="paper", delta="dpp"),
+    "paper-fp32acc": dict(policy="paper_fp32acc"),
     "paper-fp32acc-stable": dict(policy="paper_fp32acc", stable=True),
 }
 

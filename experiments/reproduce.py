@@ -36,6 +36,7 @@ ARMS = {
     "flash-l2-only": ["attention.kind=standard", "model.attention_overrides=((1, 'flash'),)"],
     "standard-l2-only": ["attention.kind=flash", "model.attention_overrides=((1, 'standard'),)"],
     "fa2-muon": ["attention.kind=flash", "optim.name=muon"],
+    "standard-muon": ["attention.kind=standard", "optim.name=muon"],  # the Muon arm's control
 }
 LAYER = 1  # the paper's layer 2
 
@@ -283,6 +284,33 @@ def probe_stats_cmd(args):
         print("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
 
 
+def rerun_diff(a, b, tag=f"L{LAYER}"):
+    """Two executions of one run over the steps both logged (e.g. a GPU run resumed from a
+    checkpoint, and the first attempt past that checkpoint): the first step whose loss differs, the
+    largest loss difference, and the layer's max logit side by side at the common probe steps."""
+    A = {r["step"]: r for r in a if "loss" in r}
+    B = {r["step"]: r for r in b if "loss" in r}
+    common = sorted(set(A) & set(B))
+    differ = [s for s in common if A[s]["loss"] != B[s]["loss"]]
+    probes = [(s, A[s][f"max_logit/{tag}"], B[s][f"max_logit/{tag}"]) for s in common
+              if f"max_logit/{tag}" in A[s] and f"max_logit/{tag}" in B[s]]
+    return {"steps": (common[0], common[-1]) if common else None,
+            "first differing step": differ[0] if differ else None,
+            "max |Δ loss|": max((abs(A[s]["loss"] - B[s]["loss"]) for s in common), default=0.0),
+            "max logit (a, b)": probes}
+
+
+def rerun_cmd(args):
+    from train.gpt2 import read_metrics
+
+    d = rerun_diff(read_metrics(args.a), read_metrics(args.b), f"L{args.layer}")
+    print(f"steps both ran: {d['steps']}; first step whose loss differs: {d['first differing step']}; "
+          f"max |Δ loss| {d['max |Δ loss|']:.3g}")
+    print(f"| step | L{args.layer} max logit, {args.a} | L{args.layer} max logit, {args.b} |\n|---|---|---|")
+    for s, x, y in d["max logit (a, b)"]:
+        print(f"| {s} | {x:.4g} | {y:.4g} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -315,8 +343,13 @@ def main(argv=None):
                         "gradient error and of Σ δ error, the tied rows' share")
     ps.add_argument("runs", nargs="+")
     ps.add_argument("--layers", default=str(LAYER), help="comma-separated, 0-based")
+    rr = sub.add_parser("rerun", help="two executions of one run: where and how far they part")
+    rr.add_argument("a")
+    rr.add_argument("b")
+    rr.add_argument("--layer", type=int, default=LAYER)
     args = ap.parse_args(argv)
-    {"run": run, "table": table, "probes": probes, "probe-stats": probe_stats_cmd}[args.cmd](args)
+    {"run": run, "table": table, "probes": probes, "probe-stats": probe_stats_cmd,
+     "rerun": rerun_cmd}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -76,3 +76,33 @@ def test_gpu_split_diagonal_same_values(rng, shape, stable):
         print(f"{shape} stable={stable} {name}: bitwise equal {100 * same:.3f} %, "
               f"rel {rel(a, b):.2e}")
         assert same >= 0.99 and rel(a, b) < 1e-3, name
+
+
+def _ab_entries():
+    import glob
+    import json
+
+    return [(name, entry) for f in sorted(glob.glob("bench/entries-*.json"))
+            for name, entry in json.load(open(f)).items()]
+
+
+@pytest.mark.parametrize("name,entry", _ab_entries(), ids=lambda x: x if isinstance(x, str) else "")
+def test_gpu_ab_entries_same_values(rng, name, entry):
+    """Every candidate launch of bench/entries-*.json (resident blocks, the dQ kernel's own launch,
+    L/δ prefetch), compiled: the same O and gradients as the default launch at the same tiles, up
+    to the last bit of a few elements — the check a candidate passes before it enters tuning.json."""
+    from jax_flash.pallas import tuning
+
+    shape = (2, 2048, 16, 128)
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4))
+    base = {f: entry[f] for f in ("block_q", "block_k") if f in entry}
+    outs = []
+    for e in (base, entry):
+        with tuning.override(e):
+            outs.append(jax.jit(fwd_bwd, static_argnums=(0, 1, 2, 3))("pallas", "fa2", True, None,
+                                                                       q, k, v, do))
+    for what, a, b in zip(("O", "dQ", "dK", "dV"), *outs):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        same = float(np.mean(a == b))
+        print(f"{name} {what}: bitwise equal {100 * same:.3f} %, rel {rel(a, b):.2e}")
+        assert same >= 0.99 and rel(a, b) < 1e-3, (name, what)

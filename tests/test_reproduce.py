@@ -128,3 +128,17 @@ def test_probe_stats_reads_bias_scale_and_tied_share():
     np.testing.assert_allclose(ob["O err away mean"], away.mean(), rtol=1e-12)
     np.testing.assert_allclose(ob["t (O)"], away.mean() / (away.std(ddof=1) / np.sqrt(n)), rtol=1e-10)
     assert R.o_bias_stats(recs, "L1") == {}
+
+
+def test_rerun_diff_finds_where_two_executions_part():
+    base = [{"step": s, "loss": 3.0 - 0.01 * s} for s in range(1, 9)]
+    other = [dict(r) for r in base[2:]]  # resumed at step 3
+    other[3]["loss"] += 1e-4  # step 6 differs, and a probe at 6 and at 8
+    for recs, logits in ((base, (20.0, 30.0)), (other, (21.0, 90.0))):
+        recs[5 - (8 - len(recs))].update({"max_logit/L1": logits[0]})
+        recs[-1].update({"max_logit/L1": logits[1]})
+    d = R.rerun_diff(base, other)
+    assert d["steps"] == (3, 8) and d["first differing step"] == 6
+    assert abs(d["max |Δ loss|"] - 1e-4) < 1e-9
+    assert d["max logit (a, b)"] == [(6, 20.0, 21.0), (8, 30.0, 90.0)]
+    assert R.rerun_diff(base, base)["first differing step"] is None
