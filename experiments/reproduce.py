@@ -4,6 +4,7 @@
     python -m experiments.reproduce table results/repro [--md results/repro/table.md]
     python -m experiments.reproduce probes results/repro/fa2-s1 [--steps 3000,4000] [--layer 1]
     python -m experiments.reproduce probe-stats results/repro/fa2-stable-s0 ... [--layers 1]
+    python -m experiments.reproduce rerun RUN_A RUN_B   (two executions of one run: where they part)
 
 Configuration: the small-gpu preset (GPT-2 small, 32×1024 tokens/step, AdamW (0.9, 0.95), wd 0,
 clip 1, lr 1e-3 with 500 warmup then cosine over 600 k steps, bf16) on the offline corpus, seed s for
