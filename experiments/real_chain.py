@@ -1,7 +1,7 @@
 """The W_Q-gradient error of every arm's kernel on a trained model's own layer-2 tensors (CPU).
 
     python -m experiments.real_chain results/repro/<run>/L1_step3000.npz [...] [--arms fa2,fa2-stable]
-        [--md FILE]
+        [--by-head] [--md FILE]
 
 Input: ``train.probes.save_layer_tensors`` files (q, k, v and the probe loss's dO of one layer, all
 heads, as a GPU run computed them: ``SNAP_STEPS=… bash experiments/gpu/repro_seq.sh …``). Each arm's
@@ -39,7 +39,8 @@ ARMS = {
 
 
 def exact_rows(q, k, v, do):
-    """float64 per head and causal row: dQ_hp [b, t, H, D], δ_hp and S̄ [b, H, t]."""
+    """float64 per head and causal row: dQ_hp [b, t, H, D], δ_hp, S̄ and the row's max score
+    [b, H, t]."""
     q, k, v, do = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, do))
     t = q.shape[1]
     s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
@@ -52,7 +53,7 @@ def exact_rows(q, k, v, do):
     ds = p * (dp - delta[..., None])
     dq = np.einsum("bhqk,bkhd->bqhd", ds, k) / math.sqrt(q.shape[-1])
     s_bar = np.sum(p * np.where(np.isfinite(s), s, 0.0), axis=-1)
-    return dq, delta, s_bar
+    return dq, delta, s_bar, s.max(-1)
 
 
 def arm_rows(q, k, v, do, **kw):
@@ -64,25 +65,30 @@ def arm_rows(q, k, v, do, **kw):
     return np.asarray(jnp.asarray(dq, jnp.float32), np.float64), np.asarray(dlt, np.float64)
 
 
-def analyze(tensors, arms=tuple(ARMS)):
-    """Rows of sums per arm: total, δ part and rest on tied / tie-free rows, and Σ q·dQ_hp."""
+def analyze(tensors, arms=tuple(ARMS), by_head=False):
+    """Rows of sums per arm (and per head with ``by_head``): total, δ part and rest on tied /
+    tie-free rows, Σ q·dQ_hp, and the largest score."""
     q, k, v, do = (tensors[n] for n in ("q", "k", "v", "do"))
-    dq_hp, dlt_hp, s_bar = exact_rows(q, k, v, do)
+    dq_hp, dlt_hp, s_bar, s_max = exact_rows(q, k, v, do)
     q64 = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
     tied = np.asarray(D.tied_row_mask(q, k, policy="fa2"))  # [b, H, t]
     own = np.einsum("bqhd,bqhd->bhq", q64, dq_hp)
+    groups = [(h, np.s_[:, h]) for h in range(q.shape[2])] if by_head else [(None, np.s_[:])]
     out = []
     for arm in arms:
         dq_lp, dlt_lp = arm_rows(q, k, v, do, **ARMS[arm])
         total = np.einsum("bqhd,bqhd->bhq", q64, dq_lp - dq_hp)
         parts = {"total": total, "δ part": -(dlt_lp - dlt_hp) * s_bar}
         parts["rest"] = total - parts["δ part"]
-        row = {"arm": arm, "step": tensors.get("step"), "tied rows": int(tied.sum()),
-               "rows": int(tied.size), "Σ q·dQ_hp": float(own.sum())}
-        for name, x in parts.items():
-            row[f"{name}, tied"] = float(x[tied].sum())
-            row[f"{name}, tie-free"] = float(x[~tied].sum())
-        out.append(row)
+        for head, sel in groups:
+            t_sel = tied[sel]
+            row = {"arm": arm, "step": tensors.get("step")} | ({"head": head} if by_head else {})
+            row |= {"tied rows": int(t_sel.sum()), "rows": int(t_sel.size),
+                    "max score": float(s_max[sel].max()), "Σ q·dQ_hp": float(own[sel].sum())}
+            for name, x in parts.items():
+                row[f"{name}, tied"] = float(x[sel][t_sel].sum())
+                row[f"{name}, tie-free"] = float(x[sel][~t_sel].sum())
+            out.append(row)
     return out
 
 
@@ -101,10 +107,12 @@ def main(argv=None):
     ap.add_argument("files", nargs="+", help="save_layer_tensors .npz files")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--md", default=None, help="also write the table here")
+    ap.add_argument("--by-head", action="store_true", help="a row per arm and head")
     args = ap.parse_args(argv)
     rows = []
     for f in args.files:
-        rows += [{"file": f, **r} for r in analyze(load_layer_tensors(f), args.arms.split(","))]
+        rows += [{"file": f, **r} for r in analyze(load_layer_tensors(f), args.arms.split(","),
+                                                   by_head=args.by_head)]
     text = markdown(rows)
     print(text, end="")
     if args.md:

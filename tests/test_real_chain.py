@@ -62,3 +62,8 @@ def test_cpu_rerun_matches_the_training_probe(rng, tmp_path):
     assert fa2["rows"] == 2 * 4 * 64
     md = RC.markdown([fa2, dpp])
     assert md.count("\n") == 4 and "fa2-dpp" in md
+    heads = RC.analyze(tensors, arms=("fa2",), by_head=True)  # the per-head rows sum to the whole
+    assert [r["head"] for r in heads] == [0, 1, 2, 3]
+    for col in ("rows", "Σ q·dQ_hp", "total, tie-free", "δ part, tie-free", "rest, tie-free"):
+        np.testing.assert_allclose(sum(r[col] for r in heads), fa2[col], rtol=1e-9, atol=1e-12)
+    assert max(r["max score"] for r in heads) == fa2["max score"]
