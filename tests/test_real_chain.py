@@ -26,19 +26,34 @@ def bf16_flash_model(rng):
 
 
 def test_layer_tensors_round_trip_bitwise(rng, tmp_path):
+    """The file holds exactly what the snapshot program computed (dtype and bits), and that is the
+    probe's own q, k, v (bitwise) and dO (two separately compiled backward programs: XLA:CPU may
+    order an FP32 sum differently, so a few dO rows differ in their last bits — 0.3 % of the
+    elements seen, 1e-2 of the row's scale)."""
     model, (x, y) = bf16_flash_model(rng)
     path = P.save_layer_tensors(model, (x, y), 1, tmp_path / "t.npz", n_seq=2, step=7)
     got = P.load_layer_tensors(path)
+    graphdef, state = nnx.split(model)
+    saved = P._layer_tensors_fn(graphdef, 1)(nnx.to_pure_dict(state), jnp.asarray(x, jnp.int32),
+                                              jnp.asarray(y, jnp.int32))
     _, layers = P.chain_tensors(model, jnp.asarray(x), jnp.asarray(y))
     assert got["layer"] == 1 and got["step"] == 7
     for name in ("q", "k", "v", "do"):
         want = layers[1][name]
-        assert got[name].dtype == want.dtype == jnp.bfloat16, name
-        np.testing.assert_array_equal(np.asarray(got[name], np.float32), np.asarray(want, np.float32))
+        assert got[name].dtype == saved[name].dtype == want.dtype == jnp.bfloat16, name
+        a = np.asarray(got[name], np.float32)
+        np.testing.assert_array_equal(a, np.asarray(saved[name], np.float32), err_msg=name)
+        b = np.asarray(want, np.float32)
+        if name != "do":
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            assert np.mean(a == b) >= 0.99
+            scale = np.max(np.abs(b), axis=-1, keepdims=True)  # per row and head
+            assert np.all(np.abs(a - b) <= 1e-2 * scale + 1e-30)
 
 
-def test_cpu_rerun_matches_the_training_probe(rng, tmp_path):
-    """The fa2 arm re-run on saved L1 tensors reproduces the probe's measurements for the same model
+def test_cpu_rerun_matches_the_training_probe(rng):
+    """The fa2 arm re-run on the probe's L1 tensors reproduces the probe's measurements for the same model
     and sequences: its dQ error along W_Q equals the one formed from the probe's own tensors
     (``chain_tensors``: the model's dQ, the FP32 shadow's), its δ part and the true component the
     jitted probe's ``wq_grad_err_delta`` and ``wq_grad`` (1 %: float64 vs FP32 shadow), and δ = dpp's
@@ -46,10 +61,12 @@ def test_cpu_rerun_matches_the_training_probe(rng, tmp_path):
     it is dominated by dQ's BF16 output rounding, whose flips move with XLA's fusion — 15 % seen.)"""
     model, (x, y) = bf16_flash_model(rng)
     m = P.CausalChainProbe(n_seq=2)(1, model, (x, y))
-    tensors = P.load_layer_tensors(P.save_layer_tensors(model, (x, y), 1, tmp_path / "t.npz", n_seq=2))
-    fa2, dpp = RC.analyze(tensors, arms=("fa2", "fa2-dpp"))
     _, layers = P.chain_tensors(model, jnp.asarray(x), jnp.asarray(y))
     lay = layers[1]
+    # the probe's own L1 tensors (the file holds these up to a few dO rows' last bits, which move
+    # the total by percents on a micro model: test_layer_tensors_round_trip_bitwise)
+    tensors = {name: lay[name] for name in ("q", "k", "v", "do")}
+    fa2, dpp = RC.analyze(tensors, arms=("fa2", "fa2-dpp"))
     q = np.asarray(jnp.asarray(lay["q"], jnp.float32), np.float64)
     want = np.sum(q * (np.asarray(lay["dq_lp"], np.float64) - np.asarray(lay["dq_hp"], np.float64)))
     total = fa2["total, tied"] + fa2["total, tie-free"]
