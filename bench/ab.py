@@ -7,7 +7,9 @@
     python -m bench.ab table FILE.json [...]            # markdown table of runs
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``cudnn``
-(``jax.nn.dot_product_attention``); ``:stable`` adds the stable shift, ``@NAME`` launches with the
+(``jax.nn.dot_product_attention``), ``mgpu`` (JAX's own Mosaic GPU attention,
+``jax.experimental.pallas.ops.gpu.attention_mgpu``: Hopper-native, forward only when causal — a
+measure of what a Mosaic GPU path could reach, docs/PERF_NOTES.md); ``:stable`` adds the stable shift, ``@NAME`` launches with the
 tuning entry NAME of ``--entries`` (a JSON object NAME → entry, as in jax_flash/pallas/tuning.json)
 instead of the shipped table, e.g. ``new@bwd128:stable``.
 
@@ -61,10 +63,10 @@ def parse_variant(spec: str):
     if flags not in ("", "stable"):
         raise ValueError(f"variant {spec!r}: only ':stable' may follow")
     version, _, entry = base.partition("@")
-    if version not in ("new", "old", "cudnn"):
-        raise ValueError(f"variant {spec!r}: version must be new, old or cudnn")
-    if version == "cudnn" and (entry or flags):
-        raise ValueError(f"variant {spec!r}: cudnn takes no entry or flag")
+    if version not in ("new", "old", "cudnn", "mgpu"):
+        raise ValueError(f"variant {spec!r}: version must be new, old, cudnn or mgpu")
+    if version in ("cudnn", "mgpu") and (entry or flags):
+        raise ValueError(f"variant {spec!r}: {version} takes no entry or flag")
     return version, entry or None, flags == "stable"
 
 
@@ -75,6 +77,13 @@ def _attention_fn(spec, modules, entries, causal, policy):
     if version == "cudnn":
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                             implementation="cudnn")
+    if version == "mgpu":
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as mg
+
+        # the launch its own benchmark favours at head_dim 64-128: 64-row blocks per warpgroup (two
+        # warpgroups per program), 128 keys, a 2-deep TMA pipeline
+        cfg = mg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+        return lambda q, k, v: mg.attention(q, k, v, cfg)
     mod = modules[version]
     if entry is not None and entry not in entries:
         raise KeyError(f"variant {spec!r}: no entry {entry!r} in --entries")
@@ -113,9 +122,10 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
             for spec in ms:
                 version, _, stable = parse_variant(spec)
                 records.append(dict(
-                    impl="cudnn" if version == "cudnn" else f"jax_flash@{version}",
-                    policy=None if version == "cudnn" else policy,
-                    stable=None if version == "cudnn" else stable, variant=spec,
+                    impl={"cudnn": "cudnn", "mgpu": "jax_mgpu_attention"}.get(version,
+                                                                             f"jax_flash@{version}"),
+                    policy=None if version in ("cudnn", "mgpu") else policy,
+                    stable=None if version in ("cudnn", "mgpu") else stable, variant=spec,
                     shape=list(shape), causal=causal, **{"pass": pss}, ms=ms[spec],
                     tflops=pass_flops(shape, causal, pss) / ms[spec] / 1e9,
                     jax_version=jax.__version__, device=jax.devices()[0].device_kind, sync=sync))

@@ -301,7 +301,8 @@ def test_ab_times_an_archived_revision_beside_the_working_tree(tmp_path):
     table = ab.markdown([("run1", recs)])
     assert table.splitlines()[0] == "| run | shape | pass | old | new | new:stable | new@t16:stable |"
     assert "| run1 | 1×64×2×32 | fwd+bwd | " in table and "(×1.000)" in table
-    for bad in ("new:fast", "newer", "cudnn@t16"):
+    assert ab.parse_variant("mgpu") == ("mgpu", None, False)
+    for bad in ("new:fast", "newer", "cudnn@t16", "mgpu:stable"):
         with pytest.raises(ValueError):
             ab.parse_variant(bad)
     with pytest.raises(KeyError):
