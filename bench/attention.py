@@ -51,11 +51,15 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
     ``sync="call"``: every call is a sample, waited for on its own (``rounds × reps`` samples; each
     includes the per-call dispatch and sync, ~0.18 ms on the H200 host: PERF_NOTES v9 profile).
     ``sync="round"``: a round's ``reps`` calls are dispatched back to back and waited for once; the
-    sample is their mean (``rounds`` samples) — the kernels' throughput, as inside a jitted step."""
+    sample is their mean (``rounds`` samples) — the kernels' throughput, as inside a jitted step.
+    ``args``: one tuple for every fn, or a dict name → tuple (e.g. float16 inputs for a kernel that
+    takes no bfloat16)."""
+    arg_of = args if isinstance(args, dict) else {name: args for name in fns}
     if sync not in ("call", "round"):
         raise ValueError(f"sync must be 'call' or 'round', got {sync!r}")
     ready = {}
     for name, f in fns.items():
+        args = arg_of[name]
         try:  # compile + warm-up
             jax.block_until_ready(f(*args))
             jax.block_until_ready(f(*args))
@@ -66,6 +70,7 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
     times = {name: [] for name in ready}
     for _ in range(rounds):
         for name, f in ready.items():
+            args = arg_of[name]
             if sync == "round":
                 t0 = time.perf_counter()
                 jax.block_until_ready([f(*args) for _ in range(reps)])

@@ -50,6 +50,23 @@ def test_timed_interleaved_alternates_and_drops_failures():
     assert len(logged) == 1 and "bad: failed: RuntimeError" in logged[0]
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU sizes")
+def test_timed_interleaved_gives_each_fn_its_own_args():
+    """``args`` as a dict: each fn is called with its own inputs (the mgpu variant's float16 copies)."""
+    seen = {"a": set(), "b": set()}
+
+    def fn(name):
+        def f(x):
+            seen[name].add(str(x.dtype))
+            return x
+        return f
+
+    x = jax.numpy.ones(2, jax.numpy.bfloat16)
+    bench.timed_interleaved({"a": fn("a"), "b": fn("b")}, {"a": (x,), "b": (x.astype("float16"),)},
+                            reps=1, rounds=2)
+    assert seen == {"a": {"bfloat16"}, "b": {"float16"}}
+
+
 def test_timed_interleaved_round_sync_waits_once_per_round():
     """sync="round": a round's calls go out back to back and are waited for after the last one; the
     sample is their mean, so a fn of known duration reads that duration in both modes. sync="call":
