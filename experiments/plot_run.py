@@ -177,6 +177,37 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None, n_heads
     return out
 
 
+def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) -> Path:
+    """Layer ``layer``'s max logit over steps, one panel per seed: colour = arm, line style =
+    execution (``roots[i]/<arm>-s<seed>`` is execution i + 1) — how far repeated executions of one
+    configuration part, beside how far the arms do."""
+    fig, axes = plt.subplots(1, len(seeds), figsize=(5.6 * len(seeds), 4.6), sharey=True,
+                             squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, seed in zip(axes[0], seeds):
+        for a, arm in enumerate(arms):
+            for e, root in enumerate(roots):
+                d = Path(root) / f"{arm}-s{seed}"
+                if not any((d / f).exists() for f in ("metrics.jsonl", "metrics.jsonl.gz")):
+                    continue
+                s, v = series(read_metrics(d), f"max_logit/L{layer}")
+                if horizon:
+                    s, v = s[s <= horizon], v[s <= horizon]
+                ax.plot(s, v, STYLES[e % len(STYLES)], color=colors[a % len(colors)], lw=1.3,
+                        label=f"{arm}, execution {e + 1}")
+        ax.set(title=f"seed {seed}", xlabel="step", yscale="log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"max attention logit, layer {layer} (0-based)")
+    fig.suptitle("repeated GPU executions of one configuration (colour: arm; style: execution)")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m experiments.plot_run", description=__doc__.split("\n\n")[0]

@@ -301,6 +301,88 @@ def rerun_diff(a, b, tag=f"L{LAYER}"):
             "max logit (a, b)": probes}
 
 
+def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor=10.0,
+                    tag=f"L{LAYER}"):
+    """Every execution of each arm and seed: ``roots[i]/<arm>-s<seed>`` is execution i + 1 (GPU runs
+    of one configuration are not repeatable, so a repeat is another sample, not a check). Per cell:
+    the L1 max logit at ``horizon`` (or the last probe before it, marked as such), the first step
+    above 100, and whether it is ≥ ``factor``× the seed's control arm at the same step (the control's
+    first execution found). Returns {(arm, seed): [cell or None per root]} and the per-arm counts
+    (executions that reached the horizon and are ≥ factor× / all that reached it)."""
+    from train.gpt2 import read_metrics
+
+    key = f"max_logit/{tag}"
+
+    def probe_series(d):
+        return [r for r in read_metrics(d) if r.get(key) is not None and r["step"] <= horizon]
+
+    def ctrl_at(seed, step):
+        for root in roots:
+            d = Path(root) / f"{control}-s{seed}"
+            if (d / "metrics.jsonl").exists() or (d / "metrics.jsonl.gz").exists():
+                pts = [r for r in probe_series(d) if r["step"] <= step]
+                return pts[-1][key] if pts else None
+        return None
+
+    cells, counts = {}, {}
+    for arm in arms:
+        for seed in seeds:
+            row = []
+            for root in roots:
+                d = Path(root) / f"{arm}-s{seed}"
+                if not ((d / "metrics.jsonl").exists() or (d / "metrics.jsonl.gz").exists()):
+                    row.append(None)
+                    continue
+                pts = probe_series(d)
+                if not pts:
+                    row.append(None)
+                    continue
+                last = pts[-1]
+                ctrl = ctrl_at(seed, last["step"])
+                ratio = last[key] / ctrl if ctrl else None
+                cell = {"step": last["step"], "max_logit": last[key], "ratio": ratio,
+                        "first_above_100": first_step_above(pts, key, 100),
+                        "complete": last["step"] == horizon}
+                row.append(cell)
+                if cell["complete"] and ratio is not None and arm != control:
+                    n, k = counts.get(arm, (0, 0))
+                    counts[arm] = (n + 1, k + int(ratio >= factor))
+            cells[(arm, seed)] = row
+    return cells, counts
+
+
+def executions_cmd(args):
+    arms, seeds = args.arms.split(","), [int(x) for x in args.seeds.split(",")]
+    cells, counts = execution_cells(args.roots, arms, seeds, args.horizon, args.control, args.factor)
+
+    def fmt(c):
+        if c is None:
+            return "—"
+        v = f"{c['max_logit']:,.0f}" if c["max_logit"] >= 100 else f"{c['max_logit']:.1f}"
+        v = f"**{v}**" if c["ratio"] is not None and c["ratio"] >= args.factor else v
+        where = "" if c["complete"] else f" at {c['step']:,}"
+        first = f" (> 100 at {c['first_above_100']:,})" if c["first_above_100"] else ""
+        return v + where + first
+
+    lines = [f"L1 max logit at step {args.horizon:,} per execution (1 / 2 / …: "
+             + ", ".join(args.roots) + f"); bold: ≥ {args.factor:g}× the seed's {args.control} arm",
+             "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + f" | ≥ {args.factor:g}× {args.control} |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for arm in arms:
+        n, k = counts.get(arm, (0, 0))
+        lines.append(f"| {arm} | " + " | ".join(" / ".join(fmt(c) for c in cells[(arm, s)])
+                                                for s in seeds)
+                     + (f" | {k} of {n} executions |" if arm != args.control else " | — |"))
+    text = "\n".join(lines)
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text + "\n")
+    if args.plot:
+        from experiments.plot_run import plot_executions
+
+        plot_executions(args.roots, arms, seeds, args.plot, horizon=args.horizon)
+
+
 def rerun_cmd(args):
     from train.gpt2 import read_metrics
 
@@ -335,6 +417,16 @@ def main(argv=None):
     t = sub.add_parser("table")
     t.add_argument("roots", nargs="+", help="folders of runs (sub-folders are searched too)")
     t.add_argument("--md", default=None)
+    e = sub.add_parser("executions", help="arm × seed × execution: L1 max logit at a fixed step, "
+                       "and how many executions of each arm are ≥ 10× the seed's standard arm")
+    e.add_argument("roots", nargs="+", help="one folder per execution (execution 1 first)")
+    e.add_argument("--arms", default="fa2,standard,fa2-stable,fa2-dpp")
+    e.add_argument("--seeds", default="0,1,2")
+    e.add_argument("--horizon", type=int, default=4000)
+    e.add_argument("--control", default="standard")
+    e.add_argument("--factor", type=float, default=10.0)
+    e.add_argument("--md", default=None)
+    e.add_argument("--plot", default=None, help="PNG: one panel per seed")
     p = sub.add_parser("probes", help="per-probe rows of one layer (max logit, ‖W_Q‖₂, ties, δ error)")
     p.add_argument("runs", nargs="+")
     p.add_argument("--layer", type=int, default=LAYER)
@@ -350,7 +442,7 @@ def main(argv=None):
     rr.add_argument("--layer", type=int, default=LAYER)
     args = ap.parse_args(argv)
     {"run": run, "table": table, "probes": probes, "probe-stats": probe_stats_cmd,
-     "rerun": rerun_cmd}[args.cmd](args)
+     "rerun": rerun_cmd, "executions": executions_cmd}[args.cmd](args)
 
 
 if __name__ == "__main__":
