@@ -398,3 +398,28 @@ def test_recorded_data_order_replays_the_run(tmp_path):
     # Without the replay file the other seed draws other batches: the replay was what matched.
     T.train(micro_cfg(tmp_path / "other", "data.seed=99", "eval_every=0"), tokens=tokens)
     assert [m["loss"] for m in T.read_metrics(tmp_path / "other")] != [m["loss"] for m in a]
+
+
+def test_replicate_nudges_the_init_by_one_ulp_and_is_repeatable(tmp_path):
+    """``replicate=k``: the same init up to one ulp per parameter, so the run parts from replicate 0
+    within a few steps, while two runs of one replicate stay bitwise equal (on CPU; on the GPU under
+    deterministic ops)."""
+    params = T.split_model(T.make_model(micro_cfg(tmp_path / "p")))[1]
+    a, b = (jax.tree_util.tree_leaves(T.nudge_params(params, r)) for r in (0, 3))
+    base = jax.tree_util.tree_leaves(params)
+    assert all(x is y for x, y in zip(a, base))  # replicate 0: the very same arrays
+    moved = total = 0
+    for x, y in zip(base, b):
+        x, y = np.asarray(x), np.asarray(y)
+        ulp = np.abs(np.spacing(x))
+        assert np.all(np.abs(y.astype(np.float64) - x) <= ulp * 1.0001), "more than one ulp"
+        moved += int(np.sum(x != y))
+        total += x.size
+    assert 0.55 < moved / total < 0.78  # two thirds moved
+    tokens = Tokens()
+    runs = [T.train(micro_cfg(tmp_path / name, f"replicate={r}", "eval_every=0"), tokens=tokens)
+            for name, r in (("r0", 0), ("r1", 1), ("r1b", 1))]
+    assert runs[1]["final_loss"] == runs[2]["final_loss"]
+    l0, l1, l1b = ([m["loss"] for m in T.read_metrics(tmp_path / n)] for n in ("r0", "r1", "r1b"))
+    assert l1 == l1b and l0 != l1
+    assert max(abs(x - y) for x, y in zip(l0, l1)) < 1e-2  # the same run, barely moved

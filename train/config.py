@@ -60,6 +60,10 @@ class TrainConfig:
     run_dir: str = "runs/default"
     max_steps: int = 1000
     seed: int = 0  # parameter init and the training RNG
+    # > 0: another execution of the same run — the initial parameters nudged by one ulp up or down
+    # (drawn from this number), the size of the GPU backward's run-to-run reduction noise
+    # (docs/REPRODUCTION.md); with deterministic GPU ops each replicate is itself repeatable.
+    replicate: int = 0
     eval_every: int = 250  # 0 disables; an eval also runs at the last step
     checkpoint_every: int = 0  # 0 disables; a checkpoint is also written at the end when enabled
     keep_checkpoints: int = 2

@@ -121,6 +121,25 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     return tx, schedule
 
 
+def nudge_params(params, replicate: int):
+    """Every floating-point parameter moved one ulp up, one down or not at all (a third each, drawn
+    from ``replicate``): the same init and data, a different execution. Replicate 0: unchanged."""
+    if not replicate:
+        return params
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(replicate), len(leaves))
+    out = []
+    for key, p in zip(keys, leaves):
+        p = jnp.asarray(p)
+        if not jnp.issubdtype(p.dtype, jnp.floating):
+            out.append(p)
+            continue
+        step = jax.random.randint(key, p.shape, -1, 2)  # −1, 0, +1 ulp
+        toward = jnp.where(step > 0, jnp.inf, -jnp.inf).astype(p.dtype)
+        out.append(jnp.where(step == 0, p, jnp.nextafter(p, toward)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def init_state(cfg: TrainConfig, params, tx) -> dict:
     return {
         "step": jnp.zeros((), jnp.int32),
@@ -318,6 +337,7 @@ def train(
     model = make_model(cfg)
     graphdef, params = split_model(model)
     del model
+    params = nudge_params(params, cfg.replicate)
     n_params = count_params(params)
     tx, schedule = make_optimizer(cfg)
     state = jax.device_put(init_state(cfg, params, tx), replicated)
