@@ -307,8 +307,9 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
     of one configuration are not repeatable, so a repeat is another sample, not a check). Per cell:
     the L1 max logit at ``horizon`` (or the last probe before it, marked as such), the first step
     above 100, and whether it is ≥ ``factor``× the seed's control arm at the same step (the control's
-    first execution found). Returns {(arm, seed): [cell or None per root]} and the per-arm counts
-    (executions that reached the horizon and are ≥ factor× / all that reached it)."""
+    first execution found). Returns {(arm, seed): [cell or None per root]} and per arm the counts
+    (n, k, k100): of the n executions that reached the horizon, k are ≥ factor× the control and k100
+    went above 100."""
     from train.gpt2 import read_metrics
 
     key = f"max_logit/{tag}"
@@ -345,8 +346,9 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
                         "complete": last["step"] == horizon}
                 row.append(cell)
                 if cell["complete"] and ratio is not None and arm != control:
-                    n, k = counts.get(arm, (0, 0))
-                    counts[arm] = (n + 1, k + int(ratio >= factor))
+                    n, k, k100 = counts.get(arm, (0, 0, 0))
+                    counts[arm] = (n + 1, k + int(ratio >= factor),
+                                   k100 + int(cell["first_above_100"] is not None))
             cells[(arm, seed)] = row
     return cells, counts
 
@@ -366,13 +368,15 @@ def executions_cmd(args):
 
     lines = [f"L1 max logit at step {args.horizon:,} per execution (1 / 2 / …: "
              + ", ".join(args.roots) + f"); bold: ≥ {args.factor:g}× the seed's {args.control} arm",
-             "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + f" | ≥ {args.factor:g}× {args.control} |",
-             "|---|" + "---|" * (len(seeds) + 1)]
+             "", "| arm | " + " | ".join(f"seed {s}" for s in seeds)
+             + f" | ≥ {args.factor:g}× {args.control} by {args.horizon:,} | > 100 by {args.horizon:,} |",
+             "|---|" + "---|" * (len(seeds) + 2)]
     for arm in arms:
-        n, k = counts.get(arm, (0, 0))
+        n, k, k100 = counts.get(arm, (0, 0, 0))
         lines.append(f"| {arm} | " + " | ".join(" / ".join(fmt(c) for c in cells[(arm, s)])
                                                 for s in seeds)
-                     + (f" | {k} of {n} executions |" if arm != args.control else " | — |"))
+                     + (f" | {k} of {n} executions | {k100} of {n} |" if arm != args.control
+                        else " | — | — |"))
     text = "\n".join(lines)
     print(text)
     if args.md:

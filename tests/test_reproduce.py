@@ -160,13 +160,13 @@ def test_execution_cells_count_complete_executions_against_the_seeds_control(tmp
     _fake_run(e1 / "standard-s0", base)
     _fake_run(e1 / "standard-s1", base[:6])  # control ended early: compared at its last probe
     _fake_run(e1 / "fa2-s0", [*base[:7], base[7] * 10.5])      # ≥ 10× at 4,000
-    _fake_run(e2 / "fa2-s0", [*base[:7], base[7] * 9.5])       # < 10×
+    _fake_run(e2 / "fa2-s0", [*base[:7], base[7] * 2.0])       # < 10×, < 100
     _fake_run(e1 / "fa2-s1", [*base[:5], 150.0, 400.0, 4000.0])  # > 100 at 3,000
     _fake_run(e2 / "fa2-s1", [*base[:5], 5000.0])              # ended at 3,000: not counted
     cells, counts = R.execution_cells([e1, e2], ["fa2", "standard", "fa2-dpp"], [0, 1])
-    assert counts == {"fa2": (3, 2)}
+    assert counts == {"fa2": (3, 2, 2)}
     c = cells[("fa2", 0)]
-    assert c[0]["complete"] and abs(c[0]["ratio"] - 10.5) < 1e-9 and abs(c[1]["ratio"] - 9.5) < 1e-9
+    assert c[0]["complete"] and abs(c[0]["ratio"] - 10.5) < 1e-9 and abs(c[1]["ratio"] - 2.0) < 1e-9
     assert cells[("fa2", 1)][0]["first_above_100"] == 3000
     assert abs(cells[("fa2", 1)][0]["ratio"] - 4000.0 / base[5]) < 1e-9
     assert not cells[("fa2", 1)][1]["complete"] and cells[("fa2", 1)][1]["step"] == 3000
@@ -174,5 +174,5 @@ def test_execution_cells_count_complete_executions_against_the_seeds_control(tmp
     R.main(["executions", str(e1), str(e2), "--arms", "fa2,standard", "--seeds", "0,1",
             "--md", str(tmp_path / "x.md"), "--plot", str(tmp_path / "x.png")])
     row = next(l for l in (tmp_path / "x.md").read_text().splitlines() if l.startswith("| fa2 |"))
-    assert row.endswith("| 2 of 3 executions |") and "**4,000** (> 100 at 3,000)" in row
+    assert row.endswith("| 2 of 3 executions | 2 of 3 |") and "**4,000** (> 100 at 3,000)" in row
     assert "at 3,000" in row and (tmp_path / "x.png").stat().st_size > 0
