@@ -44,8 +44,9 @@ def attention(q, k, v, *, causal=True, stable=False, beta=2.0, sm_scale=None, po
       beta: the paper's β (> 1); 2.0 follows the authors' current code, the paper's Figure 7 uses 7.
       sm_scale: score scale; ``None`` means 1/√head_dim.
       policy: where the roundings happen — "fa2" (production FA2 numerics, FP32 softmax state),
-        "paper" (the authors' BF16-accumulating PyTorch kernel, 512-wide key tiles) or "fp32" (the
-        high-precision control). See ``jax_flash.policy``.
+        "paper" (the authors' BF16-accumulating PyTorch kernel, 512-wide key tiles), "fp32" (the
+        high-precision control, IEEE FP32 dots: slow on GPUs) or "fp32_bf16x6" (the same control
+        with its dots from BF16 pieces on the tensor cores). See ``jax_flash.policy``.
       delta: the backward's δ — "o": rowsum(dO∘O) with the stored O (faithful FA2); "o_hp": from a
         high-precision O recomputed in FP32; "dpp": rowsum(dP∘P).
       impl: "pallas" (Triton kernels on GPU, interpret mode on CPU), "jnp" (the same algorithm in plain

@@ -20,6 +20,12 @@ Presets (resolved against the input dtype by :func:`make_policy`):
 ``"fp32"``
     The high-precision control: inputs upcast, every step in FP32 (``precision=HIGHEST`` dots); the O
     kept for the backward's δ is FP32 too. Only the returned O is cast to the input dtype.
+``"fp32_bf16x6"``
+    "fp32" with every matmul computed from BF16 pieces on the tensor cores: each FP32 operand split
+    into three BF16 terms (hi + mid + lo, 24 significant bits), the six products that carry
+    magnitudes down to 2⁻¹⁶ of the leading one summed in FP32 (``tile.dot_nn``). Error of the order
+    of FP32's own; on the GPU ~6 BF16 MMAs per dot instead of IEEE FP32 FMAs without tensor cores
+    (the "fp32" kernels ran a GPT-2 small step in 3.7 s: docs/REPRODUCTION.md).
 ``"paper_sr"``, ``"fa2_sr"``
     "paper" and "fa2" with stochastic rounding (``rounding.stochastic_round_to``, a deterministic
     pseudo-random dither hashed from the value's bits and position) in place of round-to-nearest-even
@@ -47,7 +53,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-POLICIES = ("fa2", "paper", "fp32", "paper_sr", "fa2_sr", "paper_sr_all", "paper_fp32acc")
+POLICIES = ("fa2", "paper", "fp32", "paper_sr", "fa2_sr", "paper_sr_all", "paper_fp32acc",
+            "fp32_bf16x6")
 # stochastic-rounding variants of "paper" and "fa2" (see above)
 SR_POLICIES = ("paper_sr", "fa2_sr", "paper_sr_all")
 
@@ -83,6 +90,8 @@ class Policy:
     stochastic_rounding: bool = False
     # the lp row-sum accumulator ℓ (lp_accumulators only) stochastically rounded too
     stochastic_row_sum: bool = False
+    # FP32 operands: "ieee" (dots at Precision.HIGHEST) or "bf16x6" (three BF16 pieces, six products)
+    fp32_dot: str = "ieee"
 
     @property
     def fp32_dots(self) -> bool:
@@ -103,6 +112,8 @@ def make_policy(name: str, dtype) -> Policy:
         base = make_policy(name.split("_")[0], dtype)
         return dataclasses.replace(base, name=name, stochastic_rounding=True,
                                    stochastic_row_sum=name.endswith("_all"))
+    if name == "fp32_bf16x6":
+        return dataclasses.replace(make_policy("fp32", dtype), name=name, fp32_dot="bf16x6")
     if name == "paper_fp32acc":
         return dataclasses.replace(make_policy("paper", dtype), name=name, round_tile_pv=False,
                                    lp_accumulators=False)

@@ -92,14 +92,37 @@ def _precision(pol: Policy):
     return lax.Precision.HIGHEST if pol.fp32_dots else None
 
 
+def split_bf16x3(x):
+    """FP32 ``x`` as three BF16 terms, x ≈ hi + mid + lo, each the BF16 rounding of what is left."""
+    hi = x.astype(jnp.bfloat16)
+    r = x - hi.astype(jnp.float32)
+    mid = r.astype(jnp.bfloat16)
+    lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return hi, mid, lo
+
+
+# (a term, b term) pairs kept by "bf16x6", smallest first: the left-out ones (mid·lo, lo·mid,
+# lo·lo) are below 2⁻²⁴ of the leading product, FP32's own rounding.
+_X6_PAIRS = ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0))
+
+
+def _dot(a, b, dims, pol):
+    if pol.fp32_dots and pol.fp32_dot == "bf16x6":
+        a3, b3 = split_bf16x3(a.astype(jnp.float32)), split_bf16x3(b.astype(jnp.float32))
+        out = None
+        for i, j in _X6_PAIRS:
+            t = lax.dot_general(a3[i], b3[j], dims, preferred_element_type=jnp.float32)
+            out = t if out is None else out + t
+        return out
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=_precision(pol))
+
+
 def dot_nn(a, b, pol):  # [m, k] @ [k, n]
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-                           precision=_precision(pol))
+    return _dot(a, b, (((1,), (0,)), ((), ())), pol)
 
 
 def dot_nt(a, b, pol):  # [m, k] @ [n, k]ᵀ
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                           precision=_precision(pol))
+    return _dot(a, b, (((1,), (1,)), ((), ())), pol)
 
 
 def _round_o(x, pol: Policy, salt: int):

@@ -14,8 +14,8 @@ BF16 = jnp.bfloat16
 
 # ‖out − ref‖ / ‖ref‖ bounds for bf16 inputs (fp32 inputs for "fp32"): BF16 storage of O / dQ / dK / dV
 # alone costs ~2e-3; "paper" adds BF16 scores, accumulators and per-tile GEMM outputs.
-FWD_TOL = {"fa2": 1e-2, "paper": 2.5e-2, "fp32": 1e-2, "paper_fp32acc": 2.5e-2}
-GRAD_TOL = {"fa2": 2e-2, "paper": 4e-2, "fp32": 1.5e-2, "paper_fp32acc": 4e-2}
+FWD_TOL = {"fa2": 1e-2, "paper": 2.5e-2, "fp32": 1e-2, "paper_fp32acc": 2.5e-2, "fp32_bf16x6": 1e-2}
+GRAD_TOL = {"fa2": 2e-2, "paper": 4e-2, "fp32": 1.5e-2, "paper_fp32acc": 4e-2, "fp32_bf16x6": 1.5e-2}
 FP32_TOL = 2e-5  # fp32 inputs under the fp32 policy
 
 
@@ -49,7 +49,8 @@ def check_against_reference(q, k, v, do, fwd_tol, grad_tol, **kw):
 # -------------------------------------------------------------------------------- against float64
 @pytest.mark.parametrize("policy,stable,impl,causal", list(itertools.product(
     ("fa2", "paper", "fp32"), (False, True), ("jnp", "pallas"), (True, False))) + [
-    ("paper_fp32acc", stable, impl, True) for stable in (False, True) for impl in ("jnp", "pallas")])
+    ("paper_fp32acc", stable, impl, True) for stable in (False, True) for impl in ("jnp", "pallas")] + [
+    ("fp32_bf16x6", stable, "pallas", True) for stable in (False, True)])
 def test_matches_float64_reference(rng, policy, stable, impl, causal):
     # Odd length, several key tiles (block 16), tail tiles masked.
     q, k, v, do = make_qkv(rng, (2, 37, 2, 32), n=4)
@@ -59,10 +60,36 @@ def test_matches_float64_reference(rng, policy, stable, impl, causal):
 
 @pytest.mark.parametrize("impl", ["jnp", "pallas"])
 @pytest.mark.parametrize("delta", ["o", "o_hp", "dpp"])
-def test_fp32_inputs_fp32_policy_tight(rng, impl, delta):
+@pytest.mark.parametrize("policy", ["fp32", "fp32_bf16x6"])
+def test_fp32_inputs_fp32_policy_tight(rng, impl, delta, policy):
     q, k, v, do = make_qkv(rng, (1, 45, 2, 32), jnp.float32, n=4)
-    check_against_reference(q, k, v, do, FP32_TOL, FP32_TOL, policy="fp32", impl=impl,
+    check_against_reference(q, k, v, do, FP32_TOL, FP32_TOL, policy=policy, impl=impl,
                             delta=delta, block_q=16, block_k=16)
+
+
+def test_bf16x6_dot_is_fp32_accurate_and_not_one_bf16_product(rng):
+    """``fp32_bf16x6``'s dots (three BF16 pieces per operand, six products) are as close to float64
+    as IEEE FP32 dots — and far closer than one BF16 product, so the split is really used. Operands
+    spread over 2⁻²⁰ … 2²⁰ so that no piece can be lost to a fixed scale."""
+    from jax_flash import tile
+
+    a = rng.standard_normal((48, 96)) * np.exp2(rng.integers(-20, 21, size=(48, 1)))
+    b = rng.standard_normal((40, 96))
+    ref = a @ b.T
+    a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    err = {}
+    for name in ("fp32", "fp32_bf16x6"):
+        out = np.asarray(tile.dot_nt(a32, b32, jf.make_policy(name, jnp.float32)), np.float64)
+        err[name] = np.max(np.abs(out - ref) / np.abs(a).max(axis=1, keepdims=True))
+    one = np.asarray(jnp.dot(a32.astype(BF16), b32.astype(BF16).T, preferred_element_type=jnp.float32),
+                     np.float64)
+    err["bf16"] = np.max(np.abs(one - ref) / np.abs(a).max(axis=1, keepdims=True))
+    assert err["fp32_bf16x6"] < 4 * err["fp32"] + 1e-12, err
+    assert err["fp32_bf16x6"] < 1e-3 * err["bf16"], err
+    hi, mid, lo = tile.split_bf16x3(a32)
+    assert all(x.dtype == BF16 for x in (hi, mid, lo))
+    back = np.asarray(hi, np.float64) + np.asarray(mid, np.float64) + np.asarray(lo, np.float64)
+    assert np.max(np.abs(back - np.asarray(a32, np.float64)) / np.abs(np.asarray(a32))) < 2.0 ** -23
 
 
 @pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
