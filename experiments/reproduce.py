@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def run(args):
     summary = train(cfg, tokens=tokens, probes=probes)
     summary["device"] = jax.devices()[0].device_kind
     summary["jax_version"] = jax.__version__
+    # e.g. --xla_gpu_deterministic_ops=true: which executions of a run are repeatable
+    summary["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
 
