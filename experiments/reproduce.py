@@ -350,12 +350,21 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
                         "first_above_100": first_step_above(pts, key, 100),
                         "complete": last["step"] == horizon}
                 row.append(cell)
-                if cell["complete"] and ratio is not None and arm != control:
+                if cell["complete"] and ratio is not None:
                     n, k, k100 = counts.get(arm, (0, 0, 0))
                     counts[arm] = (n + 1, k + int(ratio >= factor),
                                    k100 + int(cell["first_above_100"] is not None))
             cells[(arm, seed)] = row
     return cells, counts
+
+
+def fisher_one_sided(ka, na, kb, nb):
+    """P(at least ka of the ka + kb events fall in group a | the totals): Fisher's exact test that
+    group a has the higher rate (hypergeometric tail)."""
+    from math import comb
+
+    k, n = ka + kb, na + nb
+    return sum(comb(na, x) * comb(nb, k - x) for x in range(ka, min(k, na) + 1)) / comb(n, k)
 
 
 def executions_cmd(args):
@@ -380,8 +389,14 @@ def executions_cmd(args):
         n, k, k100 = counts.get(arm, (0, 0, 0))
         lines.append(f"| {arm} | " + " | ".join(" / ".join(fmt(c) for c in cells[(arm, s)])
                                                 for s in seeds)
-                     + (f" | {k} of {n} executions | {k100} of {n} |" if arm != args.control
-                        else " | — | — |"))
+                     + (f" | {k} of {n} executions |" if arm != args.control else " | — |")
+                     + f" {k100} of {n} |")
+    for spec in args.compare:
+        a, b = ([x for x in g.split(",") if x] for g in spec.split(":"))
+        (na, ka), (nb, kb) = ((sum(counts.get(x, (0, 0, 0))[0] for x in g),
+                               sum(counts.get(x, (0, 0, 0))[2] for x in g)) for g in (a, b))
+        lines.append(f"\n> 100 by {args.horizon:,}: {' + '.join(a)} {ka} of {na} vs {' + '.join(b)} "
+                     f"{kb} of {nb}; one-sided Fisher exact p = {fisher_one_sided(ka, na, kb, nb):.3g}")
     text = "\n".join(lines)
     print(text)
     if args.md:
@@ -436,6 +451,9 @@ def main(argv=None):
     e.add_argument("--factor", type=float, default=10.0)
     e.add_argument("--md", default=None)
     e.add_argument("--plot", default=None, help="PNG: one panel per seed")
+    e.add_argument("--compare", action="append", default=[],
+                   help="ARMS:ARMS (comma-separated groups), e.g. fa2,fa2-stable:fa2-dpp — pooled "
+                        "counts above 100 and a one-sided Fisher exact test")
     p = sub.add_parser("probes", help="per-probe rows of one layer (max logit, ‖W_Q‖₂, ties, δ error)")
     p.add_argument("runs", nargs="+")
     p.add_argument("--layer", type=int, default=LAYER)

@@ -164,7 +164,7 @@ def test_execution_cells_count_complete_executions_against_the_seeds_control(tmp
     _fake_run(e1 / "fa2-s1", [*base[:5], 150.0, 400.0, 4000.0])  # > 100 at 3,000
     _fake_run(e2 / "fa2-s1", [*base[:5], 5000.0])              # ended at 3,000: not counted
     cells, counts = R.execution_cells([e1, e2], ["fa2", "standard", "fa2-dpp"], [0, 1])
-    assert counts == {"fa2": (3, 2, 2)}
+    assert counts == {"fa2": (3, 2, 2), "standard": (1, 0, 0)}
     c = cells[("fa2", 0)]
     assert c[0]["complete"] and abs(c[0]["ratio"] - 10.5) < 1e-9 and abs(c[1]["ratio"] - 2.0) < 1e-9
     assert cells[("fa2", 1)][0]["first_above_100"] == 3000
@@ -172,7 +172,17 @@ def test_execution_cells_count_complete_executions_against_the_seeds_control(tmp
     assert not cells[("fa2", 1)][1]["complete"] and cells[("fa2", 1)][1]["step"] == 3000
     assert cells[("fa2-dpp", 0)] == [None, None] and cells[("standard", 0)][1] is None
     R.main(["executions", str(e1), str(e2), "--arms", "fa2,standard", "--seeds", "0,1",
-            "--md", str(tmp_path / "x.md"), "--plot", str(tmp_path / "x.png")])
+            "--md", str(tmp_path / "x.md"), "--plot", str(tmp_path / "x.png"),
+            "--compare", "fa2:standard"])
+    assert "fa2 2 of 3 vs standard 0 of 1; one-sided Fisher exact p = 0.5" in (tmp_path / "x.md").read_text()
+    # the hypergeometric tail against a brute-force count over all ways to place the events
+    import itertools
+
+    for ka, na, kb, nb in ((4, 8, 0, 4), (2, 5, 1, 6), (0, 3, 2, 3)):
+        k, n = ka + kb, na + nb
+        ways = list(itertools.combinations(range(n), k))
+        tail = sum(sum(i < na for i in w) >= ka for w in ways) / len(ways)
+        assert abs(R.fisher_one_sided(ka, na, kb, nb) - tail) < 1e-12
     row = next(l for l in (tmp_path / "x.md").read_text().splitlines() if l.startswith("| fa2 |"))
     assert row.endswith("| 2 of 3 executions | 2 of 3 |") and "**4,000** (> 100 at 3,000)" in row
     assert "at 3,000" in row and (tmp_path / "x.png").stat().st_size > 0
