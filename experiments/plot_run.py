@@ -29,6 +29,16 @@ STYLES = ["-", "--", ":", "-."]
 SMOOTH = 25  # steps in the loss panel's running mean
 
 
+def save_figure(fig, out) -> Path:
+    """Lay out, write ``out`` (folders made as needed) and close ``fig``."""
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def read_run(run_dir) -> tuple[list[dict], dict]:
     run_dir = Path(run_dir)
     recs = read_metrics(run_dir)
@@ -169,12 +179,7 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None, n_heads
         ax_f9.legend(fontsize=6, ncol=2, title="colour: layer; style: run", title_fontsize=6)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) -> Path:
@@ -200,12 +205,7 @@ def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) ->
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel(f"max attention logit, layer {layer} (0-based)")
     fig.suptitle("repeated GPU executions of one configuration (colour: arm; style: execution)")
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main(argv=None):
