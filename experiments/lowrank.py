@@ -177,12 +177,9 @@ def plot(res, out, title=None) -> Path:
     )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    from experiments.plot_run import save_figure
+
+    return save_figure(fig, out)
 
 
 def main(argv=None):
