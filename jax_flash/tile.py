@@ -66,6 +66,10 @@ class Config:
     # loop), so that their global-load latency overlaps this block's MMAs (tuning field
     # "prefetch_rows"). The same values in the same order; a launch choice.
     prefetch_rows: bool = False
+    # Pallas forward: compute the next key tile's scores Q·Kᵀ before this tile's softmax and P̄·V
+    # (carried in the loop), so that the next tile's MMA can run while this tile's softmax does
+    # (tuning field "prefetch_scores"; docs/PERF_NOTES.md, lever 2). The same values; a launch choice.
+    prefetch_scores: bool = False
 
     @property
     def score_scale(self) -> float:
@@ -217,9 +221,14 @@ def init_carry(bq: int, d: int, cfg: Config) -> Carry:
 
 def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
     """One online-softmax update of (m, ℓ, acc) with key tile (k, v); ``mask=None``: nothing masked."""
+    return forward_tile_from_scores(carry, scores(q, k, cfg), v, mask, cfg)
+
+
+def forward_tile_from_scores(carry: Carry, s, v, mask, cfg: Config) -> Carry:
+    """``forward_tile`` given the tile's scores ``s = scores(q, k, cfg)`` (computed ahead by a kernel
+    that overlaps them with the previous tile's softmax)."""
     pol = cfg.policy
     m_old, l_old, acc_old, m_raw = carry
-    s = scores(q, k, cfg)
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
     r_m = jnp.max(s, axis=1)

@@ -296,6 +296,16 @@ def test_prefetch_rows_is_the_same_arithmetic(rng, policy, causal, tiles, extra)
     assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "prefetch_rows": True}))
 
 
+@pytest.mark.parametrize("policy,causal,tiles,extra", [
+    ("fa2", True, (16, 16), {}), ("fa2", True, (32, 16), {"split_diagonal": True}),
+    ("paper", False, (32, 16), {}),
+    pytest.param("fp32", True, (16, 32), {"split_diagonal": True}, marks=pytest.mark.slow)])
+def test_prefetch_scores_is_the_same_arithmetic(rng, policy, causal, tiles, extra):
+    """``Config.prefetch_scores`` (the forward computes the next key tile's scores a loop iteration
+    ahead, the last tile's twice) changes no value, across the mask-free split too."""
+    assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "prefetch_scores": True}))
+
+
 def test_dq_launch_and_block_reach_the_dq_kernel_only(monkeypatch):
     """The dQ kernel takes ``dq_launch`` / ``dq_block`` where set, the dK/dV kernel keeps
     ``bwd_launch`` / ``bwd_block``: grids and the launch each pallas_call is built with."""

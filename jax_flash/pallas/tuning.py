@@ -4,10 +4,11 @@
 package; a missing entry means the built-in defaults (64×64 tiles for "fa2"/"fp32", 32×512 for
 "paper"; 4 warps, or 8 for large tiles; 2 stages). `override` lets the tuner try candidates.
 Entries: ``{"block_q", "block_k", "fwd": {"num_warps", "num_stages"}, "bwd": {...}, "split_diagonal",
-"bwd_block"}`` and optionally ``"dq": {...}``, ``"dq_block"``, ``"prefetch_rows"`` (tiles shared by
+"bwd_block"}`` and optionally ``"dq": {...}``, ``"dq_block"``, ``"prefetch_rows"``, ``"prefetch_scores"`` (tiles shared by
 all kernels of a call; ``split_diagonal``: mask-free loops below the causal diagonal; ``bwd_block``:
 rows a backward program keeps resident; ``dq`` / ``dq_block``: the dQ kernel's own launch and
-resident block; ``prefetch_rows``: the dK/dV kernel loads L and δ a block ahead — all the same
+resident block; ``prefetch_rows``: the dK/dV kernel loads L and δ a block ahead; ``prefetch_scores``: the
+forward computes the next key tile's scores before this tile's softmax — all the same
 values, see ``tile.Config``). The key tile size changes the numerics (the online-softmax
 rescaling); the tuner keeps "paper" at its 512-wide key tiles.
 """
