@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from train.gpt2 import read_metrics  # noqa: E402
+from train.gpt2 import has_metrics, read_metrics  # noqa: E402
 
 STYLES = ["-", "--", ":", "-."]
 SMOOTH = 25  # steps in the loss panel's running mean
@@ -193,7 +193,7 @@ def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) ->
         for a, arm in enumerate(arms):
             for e, root in enumerate(roots):
                 d = Path(root) / f"{arm}-s{seed}"
-                if not any((d / f).exists() for f in ("metrics.jsonl", "metrics.jsonl.gz")):
+                if not has_metrics(d):
                     continue
                 s, v = series(read_metrics(d), f"max_logit/L{layer}")
                 if horizon:

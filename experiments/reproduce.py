@@ -315,7 +315,7 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
     first execution found). Returns {(arm, seed): [cell or None per root]} and per arm the counts
     (n, k, k100): of the n executions that reached the horizon, k are ≥ factor× the control and k100
     went above 100."""
-    from train.gpt2 import read_metrics
+    from train.gpt2 import has_metrics, read_metrics
 
     key = f"max_logit/{tag}"
 
@@ -325,7 +325,7 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
     def ctrl_at(seed, step):
         for root in roots:
             d = Path(root) / f"{control}-s{seed}"
-            if (d / "metrics.jsonl").exists() or (d / "metrics.jsonl.gz").exists():
+            if has_metrics(d):
                 pts = [r for r in probe_series(d) if r["step"] <= step]
                 return pts[-1][key] if pts else None
         return None
@@ -336,10 +336,7 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
             row = []
             for root in roots:
                 d = Path(root) / f"{arm}-s{seed}"
-                if not ((d / "metrics.jsonl").exists() or (d / "metrics.jsonl.gz").exists()):
-                    row.append(None)
-                    continue
-                pts = probe_series(d)
+                pts = probe_series(d) if has_metrics(d) else []
                 if not pts:
                     row.append(None)
                     continue

@@ -503,6 +503,11 @@ def train(
     return summary
 
 
+def has_metrics(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a metrics file ``read_metrics`` can read (plain or gzipped)."""
+    return any((Path(run_dir) / f).exists() for f in ("metrics.jsonl", "metrics.jsonl.gz"))
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The records of ``run_dir/metrics.jsonl`` (or of the gzipped ``metrics.jsonl.gz`` kept in results/)."""
     path = Path(run_dir) / "metrics.jsonl"
