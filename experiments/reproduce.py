@@ -307,12 +307,13 @@ def rerun_diff(a, b, tag=f"L{LAYER}"):
 
 
 def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor=10.0,
-                    tag=f"L{LAYER}"):
+                    tag=f"L{LAYER}", control_roots=None):
     """Every execution of each arm and seed: ``roots[i]/<arm>-s<seed>`` is execution i + 1 (GPU runs
     of one configuration are not repeatable, so a repeat is another sample, not a check). Per cell:
     the L1 max logit at ``horizon`` (or the last probe before it, marked as such), the first step
     above 100, and whether it is ≥ ``factor``× the seed's control arm at the same step (the control's
-    first execution found). Returns {(arm, seed): [cell or None per root]} and per arm the counts
+    first execution found in ``control_roots``, default ``roots``: a set of replicates that has no
+    control run of its own takes it from the first executions' folder). Returns {(arm, seed): [cell or None per root]} and per arm the counts
     (n, k, k100): of the n executions that reached the horizon, k are ≥ factor× the control and k100
     went above 100."""
     from train.gpt2 import has_metrics, read_metrics
@@ -323,7 +324,7 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
         return [r for r in read_metrics(d) if r.get(key) is not None and r["step"] <= horizon]
 
     def ctrl_at(seed, step):
-        for root in roots:
+        for root in control_roots or roots:
             d = Path(root) / f"{control}-s{seed}"
             if has_metrics(d):
                 pts = [r for r in probe_series(d) if r["step"] <= step]
@@ -366,7 +367,8 @@ def fisher_one_sided(ka, na, kb, nb):
 
 def executions_cmd(args):
     arms, seeds = args.arms.split(","), [int(x) for x in args.seeds.split(",")]
-    cells, counts = execution_cells(args.roots, arms, seeds, args.horizon, args.control, args.factor)
+    cells, counts = execution_cells(args.roots, arms, seeds, args.horizon, args.control, args.factor,
+                                    control_roots=args.control_from)
 
     def fmt(c):
         if c is None:
@@ -445,6 +447,8 @@ def main(argv=None):
     e.add_argument("--seeds", default="0,1,2")
     e.add_argument("--horizon", type=int, default=4000)
     e.add_argument("--control", default="standard")
+    e.add_argument("--control-from", nargs="+", default=None,
+                   help="folders searched for the control arm (default: the roots)")
     e.add_argument("--factor", type=float, default=10.0)
     e.add_argument("--md", default=None)
     e.add_argument("--plot", default=None, help="PNG: one panel per seed")

@@ -186,3 +186,10 @@ def test_execution_cells_count_complete_executions_against_the_seeds_control(tmp
     row = next(l for l in (tmp_path / "x.md").read_text().splitlines() if l.startswith("| fa2 |"))
     assert row.endswith("| 2 of 3 executions | 2 of 3 |") and "**4,000** (> 100 at 3,000)" in row
     assert "at 3,000" in row and (tmp_path / "x.png").stat().st_size > 0
+    # replicates without a control of their own take it from another folder, and only with it
+    rep = tmp_path / "rep"
+    _fake_run(rep / "fa2-s0", [*base[:7], base[7] * 12.0])
+    assert R.execution_cells([rep], ["fa2"], [0])[1] == {}
+    cells, counts = R.execution_cells([rep], ["fa2"], [0], control_roots=[e1])
+    assert counts == {"fa2": (1, 1, int(base[7] * 12.0 > 100))}
+    assert abs(cells[("fa2", 0)][0]["ratio"] - 12.0) < 1e-9
