@@ -293,17 +293,14 @@ def finish(carry: Carry, cfg: Config):
 
 
 # ------------------------------------------------------------------------------------------ backward
-def probabilities(q, k, lse, mask, cfg: Config):
-    """P = exp(S − L) recomputed from the saved L; masked entries 0 (``mask=None``: none masked)."""
-    p = _exp(scores(q, k, cfg) - lse[:, None], cfg.policy)
+def _p_from_scores(s, lse, mask, pol: Policy):
+    p = _exp(s - lse, pol)
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def probabilities_t(k, q, lse, mask_t, cfg: Config):
-    """Pᵀ ``[bk, bq]``: ``probabilities`` computed transposed (Sᵀ = scale·k·qᵀ, the same entries),
-    ``mask_t`` the transposed tile mask."""
-    p_t = _exp(scores(k, q, cfg) - lse[None, :], cfg.policy)
-    return p_t if mask_t is None else jnp.where(mask_t, p_t, 0.0)
+def probabilities(q, k, lse, mask, cfg: Config):
+    """P = exp(S − L) recomputed from the saved L; masked entries 0 (``mask=None``: none masked)."""
+    return _p_from_scores(scores(q, k, cfg), lse[:, None], mask, cfg.policy)
 
 
 def delta_tile(acc, q, k, v, do, lse, mask, cfg: Config):
@@ -343,9 +340,11 @@ def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask_t, cfg: Config):
     compiled kernel transpose two score tiles per step through shared memory (PERF_NOTES v9).
     """
     pol = cfg.policy
-    p_t = probabilities_t(k, q, lse, mask_t, cfg)
-    dv = dv + dot_nn(cast_rounded(p_t, pol.p_dtype), do, pol)
+    s_t = scores(k, q, cfg)  # Sᵀ = scale·k·qᵀ: P's entries, transposed
+    # dPᵀ does not need P: its MMA goes out before P's exp, which can then run under it (PERF_NOTES v12)
     dp_t = dot_nt(v, do, pol)
+    p_t = _p_from_scores(s_t, lse[None, :], mask_t, pol)
+    dv = dv + dot_nn(cast_rounded(p_t, pol.p_dtype), do, pol)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = dk + dot_nn(cast_rounded(ds_t, pol.p_dtype), q, pol)
     return dk, dv
@@ -354,9 +353,9 @@ def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask_t, cfg: Config):
 def backward_tile_dq(dq, q, k, v, do, lse, delta, mask, cfg: Config):
     """Accumulate one key tile's contribution to dQ of a query block. dQ lacks the sm_scale."""
     pol = cfg.policy
-    p = probabilities(q, k, lse, mask, cfg)
-    dp = dot_nt(do, v, pol)
-    ds = p * (dp - delta[:, None])
+    s = scores(q, k, cfg)
+    dp = dot_nt(do, v, pol)  # before P's exp, as in backward_tile_dkdv
+    ds = _p_from_scores(s, lse[:, None], mask, pol) * (dp - delta[:, None])
     return dq + dot_nn(cast_rounded(ds, pol.p_dtype), k, pol)
 
 

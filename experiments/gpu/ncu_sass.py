@@ -1,0 +1,220 @@
+"""Where do a kernel's warp stalls sit, per SASS instruction? Reads Nsight Compute's source page
+exported as CSV (``ncu --import R.ncu-rep --csv --page source --print-source sass``, written by
+``SOURCE=1 bash experiments/gpu/ncu_profile.sh``; plain or gzipped) and prints, per kernel: the
+stall samples, their reasons, the instruction groups they sit on (cp.async, shared memory, barrier,
+wgmma wait, MUFU, ...), which groups carry each of the top reasons, and the top-N instructions.
+
+    python -m experiments.gpu.ncu_sass FILE.csv[.gz] [--top N] [--md OUT.md]
+
+Reading it: a sample is charged to the instruction the warp is *waiting to issue*, so a stall on an
+instruction is a wait for something before it (a long-scoreboard stall on ``BAR.SYNC`` after
+``DEPBAR.LE SB0`` is the wait for the cp.async copies; a stall on ``WARPGROUP.DEPBAR`` is the wait
+for the wgmma results, which ncu counts as ``barrier``; the wait at a ``BAR.SYNC`` itself shows on
+the instruction after it). ``selected`` samples are issues, not stalls. Samples that no exported reason
+column accounts for (on Hopper: the ``warpgroup_arrive`` reason, which the CSV lacks) are reported
+as ``unlisted``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import io
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
+UNLISTED = "unlisted"
+
+# (group, base opcodes — the mnemonic before its first ".") in display order. WARPGROUP.* is matched
+# on the full opcode first: WARPGROUP.DEPBAR is the wait for wgmma results, WARPGROUP.ARRIVE opens
+# a wgmma batch.
+GROUPS = [
+    ("global ld/st", {"LDG", "STG", "LD", "ST", "ATOM", "ATOMG", "RED"}),
+    ("cp.async/TMA", {"LDGSTS", "LDGDEPBAR", "UTMALDG", "UTMASTG", "UTMAPF", "UTMAREDG", "UTMACCTL",
+                      "UBLKCP", "UBLKRED", "UBLKPF"}),
+    ("shared ld/st", {"LDS", "STS", "LDSM", "STSM", "ATOMS"}),
+    ("barrier/sync", {"BAR", "SYNCS", "DEPBAR", "WARPSYNC", "BSYNC", "ARRIVES"}),
+    ("fence", {"MEMBAR", "FENCE"}),
+    ("wgmma issue", {"HGMMA", "QGMMA", "IGMMA", "BGMMA", "HMMA"}),
+    ("wgmma wait", set()),
+    ("MUFU", {"MUFU"}),
+    ("FP32 math", {"FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK"}),
+    ("conversion", {"F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP", "FRND"}),
+    ("integer/address", {"IMAD", "IADD3", "IADD", "VIADD", "LEA", "SHF", "LOP3", "PLOP3", "ISETP",
+                         "SEL", "MOV", "IABS", "IMNMX", "VIMNMX", "PRMT", "SGXT", "CS2R", "UIADD3",
+                         "UMOV", "ULEA", "USHF", "ULOP3", "UISETP", "USEL", "USGXT", "UIMAD", "UPRMT"}),
+    ("other", set()),
+]
+GROUP_NAMES = [g for g, _ in GROUPS]
+
+
+def opcode(sass: str) -> str:
+    """``"@!P0 LDGSTS.E [R1], ..."`` → ``"LDGSTS.E"`` (the predicate dropped)."""
+    tokens = sass.split()
+    if tokens and tokens[0].startswith("@"):
+        tokens = tokens[1:]
+    return tokens[0].rstrip(",;") if tokens else ""
+
+
+def classify(op: str) -> str:
+    if op.startswith("WARPGROUP."):
+        return "wgmma wait" if op.startswith(("WARPGROUP.DEPBAR", "WARPGROUP.WAIT")) else "wgmma issue"
+    base = op.split(".")[0]
+    for name, bases in GROUPS:
+        if base in bases:
+            return name
+    return "other"
+
+
+@dataclass
+class Instr:
+    index: int
+    address: int
+    sass: str
+    samples: int
+    executed: int
+    reasons: dict[str, int]  # reason (without "stall_") → samples, incl. UNLISTED when > 0
+
+    @property
+    def opcode(self) -> str:
+        return opcode(self.sass)
+
+    @property
+    def group(self) -> str:
+        return classify(self.opcode)
+
+    def top_reasons(self, n: int = 3) -> list[tuple[str, int]]:
+        return sorted(((r, v) for r, v in self.reasons.items() if v), key=lambda x: -x[1])[:n]
+
+
+@dataclass
+class Kernel:
+    name: str
+    instrs: list[Instr] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(i.samples for i in self.instrs)
+
+    def reason_totals(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for i in self.instrs:
+            for r, v in i.reasons.items():
+                out[r] = out.get(r, 0) + v
+        return {r: v for r, v in sorted(out.items(), key=lambda x: -x[1]) if v}
+
+    def group_totals(self, reason: str | None = None) -> dict[str, int]:
+        """Samples per group (of one reason if given), every group listed, display order."""
+        out = dict.fromkeys(GROUP_NAMES, 0)
+        for i in self.instrs:
+            out[i.group] += i.samples if reason is None else i.reasons.get(reason, 0)
+        return out
+
+    def top(self, n: int, reason: str | None = None) -> list[Instr]:
+        """The n instructions with the most samples (of one reason if given); ties in address order."""
+        key = (lambda i: i.samples) if reason is None else (lambda i: i.reasons.get(reason, 0))
+        return sorted(self.instrs, key=lambda i: (-key(i), i.index))[:n]
+
+
+def _int(s: str) -> int:
+    s = s.strip().replace(",", "")
+    return int(float(s)) if s not in ("", "-") else 0
+
+
+def read_text(path: str | Path) -> str:
+    raw = Path(path).read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    return raw.decode("utf-8", errors="replace")
+
+
+def parse(text: str) -> list[Kernel]:
+    """One Kernel per ``"Kernel Name","<name>"`` block; the line after it is the block's header."""
+    kernels: list[Kernel] = []
+    header: list[str] | None = None
+    for row in csv.reader(io.StringIO(text)):
+        if not row:
+            continue
+        if row[0] == "Kernel Name":
+            kernels.append(Kernel(row[1]))
+            header = None
+            continue
+        if not kernels:  # ncu's own messages before the first block
+            continue
+        if header is None:
+            header = row
+            col = {h: n for n, h in enumerate(header)}
+            reasons = [h for h in header if h.startswith("stall_") and not h.endswith("(Not Issued)")]
+            continue
+        samples = _int(row[col[SAMPLES]])
+        rs = {h[len("stall_"):]: _int(row[col[h]]) for h in reasons}
+        rest = samples - sum(rs.values())
+        if rest > 0:
+            rs[UNLISTED] = rest
+        k = kernels[-1]
+        k.instrs.append(Instr(len(k.instrs), int(row[col["Address"]], 16), row[col["Source"]].strip(),
+                              samples, _int(row[col[EXECUTED]]) if EXECUTED in col else 0, rs))
+    return kernels
+
+
+def _pct(v: int, total: int) -> str:
+    return f"{100 * v / total:.1f} %" if total else "–"
+
+
+def report(kernels: list[Kernel], top: int = 15, reasons_shown: int = 6) -> str:
+    out = []
+    for k in kernels:
+        t, base = k.total, (k.instrs[0].address if k.instrs else 0)
+        rt = k.reason_totals()
+        hot = max((i.executed for i in k.instrs), default=0)
+        in_loop = sum(i.samples for i in k.instrs if hot and i.executed == hot)
+        head = (f"{t} samples over {len(k.instrs)} instructions, {t - rt.get('selected', 0)} of "
+                f"them not issued; {_pct(in_loop, t)} on the most-executed instructions "
+                f"({hot} executions each: the main loop).")
+        out += [f"## {k.name}", "", head, "",
+                "| reason | samples | share |", "|---|---:|---:|"]
+        out += [f"| {r} | {v} | {_pct(v, t)} |" for r, v in rt.items()]
+        out += ["", "| group | samples | share |", "|---|---:|---:|"]
+        out += [f"| {g} | {v} | {_pct(v, t)} |"
+                for g, v in sorted(k.group_totals().items(), key=lambda x: -x[1]) if v]
+        out += ["", "Where the top reasons sit (share of that reason's samples):", ""]
+        for r in [r for r in rt if r != "selected"][:reasons_shown]:
+            g = sorted(k.group_totals(r).items(), key=lambda x: -x[1])
+            gs = ", ".join(f"{n} {_pct(v, rt[r])}" for n, v in g[:3] if v)
+            ins = ", ".join(f"#{i.index} {i.opcode} {i.reasons[r]}" for i in k.top(3, r)
+                            if i.reasons.get(r))
+            out.append(f"* **{r}** {rt[r]} ({_pct(rt[r], t)}): {gs}; top: {ins}")
+        out += ["", f"Top {top} instructions (# = index in the kernel's SASS):", "",
+                "| # | offset | samples | share | group | reasons | SASS |",
+                "|---:|---:|---:|---:|---|---|---|"]
+        for i in k.top(top):
+            rs = " ".join(f"{r}={v}" for r, v in i.top_reasons())
+            out.append(f"| {i.index} | +{i.address - base:#x} | {i.samples} | {_pct(i.samples, t)} "
+                       f"| {i.group} | {rs} | `{i.sass[:64]}` |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("file", help="ncu source-page CSV export (.csv or .csv.gz)")
+    ap.add_argument("--top", type=int, default=15, help="instructions listed per kernel")
+    ap.add_argument("--md", help="also write the report to this markdown file")
+    a = ap.parse_args(argv)
+    kernels = parse(read_text(a.file))
+    if not kernels:
+        print(f"no 'Kernel Name' blocks in {a.file}", file=sys.stderr)
+        return 1
+    text = report(kernels, a.top)
+    print(text)
+    if a.md:
+        Path(a.md).write_text(f"# Warp stalls per instruction: {Path(a.file).name}\n\n{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
