@@ -6,7 +6,9 @@
         [--out FILE.json]                               # on the GPU (carry build/ab)
     python -m bench.ab table FILE.json [...]            # markdown table of runs
 
-Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``cudnn``
+Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``mosaic`` (the working
+tree with our Mosaic GPU forward, jax_flash/pallas/forward_mosaic.py, selected while the variant is
+traced — fwd+bwd: that forward and the Triton backward; a call it does not cover fails), ``cudnn``
 (``jax.nn.dot_product_attention``), ``mgpu`` (JAX's own Mosaic GPU attention,
 ``jax.experimental.pallas.ops.gpu.attention_mgpu``: Hopper-native, forward only when causal — a
 measure of what a Mosaic GPU path could reach, docs/PERF_NOTES.md); ``:stable`` adds the stable shift, ``@NAME`` launches with the
@@ -63,8 +65,8 @@ def parse_variant(spec: str):
     if flags not in ("", "stable"):
         raise ValueError(f"variant {spec!r}: only ':stable' may follow")
     version, _, entry = base.partition("@")
-    if version not in ("new", "old", "cudnn", "mgpu"):
-        raise ValueError(f"variant {spec!r}: version must be new, old, cudnn or mgpu")
+    if version not in ("new", "old", "mosaic", "cudnn", "mgpu"):
+        raise ValueError(f"variant {spec!r}: version must be new, old, mosaic, cudnn or mgpu")
     if version in ("cudnn", "mgpu") and (entry or flags):
         raise ValueError(f"variant {spec!r}: {version} takes no entry or flag")
     return version, entry or None, flags == "stable"
@@ -86,13 +88,22 @@ def _attention_fn(spec, modules, entries, causal, policy):
         # the same tensor-core rate as bfloat16.
         cfg = mg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
         return lambda q, k, v: mg.attention(q, k, v, cfg)
-    mod = modules[version]
+    mod = modules["new" if version == "mosaic" else version]
     if entry is not None and entry not in entries:
         raise KeyError(f"variant {spec!r}: no entry {entry!r} in --entries")
     tuning = importlib.import_module(f"{mod.__name__}.pallas.tuning")
 
-    def f(q, k, v):  # the override is read while jit traces this
-        with tuning.override(entries[entry]) if entry else contextlib.nullcontext():
+    # the kernel choice, like the override, is read while jit traces f (an environment variable set
+    # here would select the Mosaic forward for every variant traced later in this process)
+    forward_mosaic = importlib.import_module(f"{mod.__name__}.pallas.forward_mosaic") \
+        if version == "mosaic" else None
+
+    def f(q, k, v):
+        with contextlib.ExitStack() as scope:
+            if entry:
+                scope.enter_context(tuning.override(entries[entry]))
+            if forward_mosaic is not None:
+                scope.enter_context(forward_mosaic.force(True))
             return mod.attention(q, k, v, causal=causal, policy=policy, stable=stable)
 
     return f

@@ -70,6 +70,10 @@ class Config:
     # (carried in the loop), so that the next tile's MMA can run while this tile's softmax does
     # (tuning field "prefetch_scores"; docs/PERF_NOTES.md, lever 2). The same values; a launch choice.
     prefetch_scores: bool = False
+    # Pallas forward on Hopper: "mosaic" runs pallas/forward_mosaic.py (TMA, wgmma, warpgroup
+    # ping-pong) where the tuning table measured it faster (field "fwd_kernel"), else "triton". The
+    # same algorithm and rounding points; the summation order inside an MMA may differ.
+    fwd_kernel: str = "triton"
 
     @property
     def score_scale(self) -> float:
@@ -183,6 +187,13 @@ def tie_count(s, mask, r_m, cfg: Config):
     return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
 
 
+def floor_positive(y):
+    """floor(y) for y > 0 as a truncation (Mosaic GPU, jax 0.11, has no floor): FP32 values ≥ 2²³
+    are integers already, below that truncation toward zero is floor. Other y: unspecified (the
+    caller discards them)."""
+    return jnp.where(y >= 2.0 ** 23, y, y.astype(jnp.int32).astype(jnp.float32))
+
+
 def stable_shift(s, mask, r_m, cfg: Config):
     """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
 
@@ -204,7 +215,7 @@ def stable_shift(s, mask, r_m, cfg: Config):
     cap = cfg.max_shift
     over = target - r_m - cap  # > 0: the paper's shift would go past the guard
     # over mod cap/2 with a multiply and floor (the same IEEE operations on every backend)
-    folded = cap / 2 + (over - jnp.floor(over * (2.0 / cap)) * (cap / 2))
+    folded = cap / 2 + (over - floor_positive(over * (2.0 / cap)) * (cap / 2))
     shifted = jnp.where(over > 0, round_to(r_m + folded, m_dtype), target)
     return jnp.where((ties > 1) & (r_m != 0), shifted, r_m)
 
@@ -228,7 +239,16 @@ def forward_tile_from_scores(carry: Carry, s, v, mask, cfg: Config) -> Carry:
     """``forward_tile`` given the tile's scores ``s = scores(q, k, cfg)`` (computed ahead by a kernel
     that overlaps them with the previous tile's softmax)."""
     pol = cfg.policy
-    m_old, l_old, acc_old, m_raw = carry
+    m_new, l_new, alpha, p_bar, m_raw = softmax_update(carry, s, mask, cfg)
+    return Carry(m_new, l_new, accumulate(carry.acc, alpha, dot_nn(p_bar, v, pol), pol), m_raw)
+
+
+def softmax_update(carry: Carry, s, mask, cfg: Config):
+    """The online-softmax part of one tile step, everything but the P̄·V product:
+    (m_new, ℓ_new, α, P̄ as the P̄·V operand, m_raw). A kernel that issues P̄·V itself (the Mosaic GPU
+    forward's wgmma) finishes with ``accumulate``."""
+    pol = cfg.policy
+    m_old, l_old, _, m_raw = carry
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
     r_m = jnp.max(s, axis=1)
@@ -256,20 +276,22 @@ def forward_tile_from_scores(carry: Carry, s, v, mask, cfg: Config) -> Carry:
             # sum. Rows never shifted keep the authors' bits.
             floored = jnp.where(m_new > m_raw, tile_sum, floored)
         tile_sum = floored
-    pv = dot_nn(cast_rounded(p, pol.p_dtype), v, pol)
-    if pol.round_tile_pv:
-        pv = _round_o(pv, pol, salt=1)
+    l_new = alpha * l_old + tile_sum
     if pol.lp_accumulators:
-        l_new = alpha * l_old + tile_sum
         if pol.stochastic_row_sum:
             l_new = stochastic_round_to(l_new, pol.lp_dtype, salt=5, position_axes=())  # [bq]: bits only
         else:
             l_new = round_to(l_new, pol.lp_dtype)
-        acc_new = _round_o(_round_o(acc_old * alpha[:, None], pol, salt=2) + pv, pol, salt=3)
-    else:
-        l_new = alpha * l_old + tile_sum
-        acc_new = acc_old * alpha[:, None] + pv
-    return Carry(m_new, l_new, acc_new, m_raw)
+    return m_new, l_new, alpha, cast_rounded(p, pol.p_dtype), m_raw
+
+
+def accumulate(acc_old, alpha, pv, pol: Policy):
+    """acc·α + P̄·V with the policy's roundings (``pv``: the tile's P̄·V product, FP32)."""
+    if pol.round_tile_pv:
+        pv = _round_o(pv, pol, salt=1)
+    if pol.lp_accumulators:
+        return _round_o(_round_o(acc_old * alpha[:, None], pol, salt=2) + pv, pol, salt=3)
+    return acc_old * alpha[:, None] + pv
 
 
 def finish(carry: Carry, cfg: Config):

@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 
 from .. import tile
 from ..tile import Config
+from . import forward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body
 
 
@@ -80,6 +81,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int
 
 def forward(q, k, v, cfg: Config, *, o_dtype):
     """Returns O ``[B, Tq, H, D]`` in ``o_dtype`` and L ``[B, H, Tq]`` (FP32)."""
+    # the Hopper kernel where the tuning table, JAX_FLASH_FWD or forward_mosaic.force choose it
+    if forward_mosaic.use_mosaic_forward(cfg, q.shape, q.dtype, o_dtype):
+        return forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=o_dtype)
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k

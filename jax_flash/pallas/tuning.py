@@ -9,7 +9,8 @@ all kernels of a call; ``split_diagonal``: mask-free loops below the causal diag
 rows a backward program keeps resident; ``dq`` / ``dq_block``: the dQ kernel's own launch and
 resident block; ``prefetch_rows``: the dK/dV kernel loads L and δ a block ahead; ``prefetch_scores``: the
 forward computes the next key tile's scores before this tile's softmax — all the same
-values, see ``tile.Config``). The key tile size changes the numerics (the online-softmax
+values, see ``tile.Config``; ``fwd_kernel``: ``"mosaic"`` runs the Hopper forward of
+``forward_mosaic.py`` — the same rounding points, MMA summation order its own). The key tile size changes the numerics (the online-softmax
 rescaling); the tuner keeps "paper" at its 512-wide key tiles.
 """
 

@@ -1,0 +1,335 @@
+"""Executor 2, forward, on Hopper: a Mosaic GPU (Pallas ``plgpu``) kernel for the "fa2" policy.
+
+The same algorithm and rounding points as ``forward.py``'s Triton kernel — the per-tile softmax is
+``tile.py``'s arithmetic on the register tiles — with Hopper's data movement and dots: TMA copies into
+a ring of shared-memory stages, ``wgmma`` for Q·Kᵀ and P̄·V, and warpgroup specialisation. Each program
+owns 128 query rows: two compute warpgroups of 64 rows each (wgmma's M) and one producer warpgroup
+that streams the key tiles K_j, V_j (j in order, stopping at the causal diagonal) for both.
+
+The two compute warpgroups take turns ("ping-pong", as in FlashAttention-3): one's softmax runs while
+the other's MMAs use the tensor cores. Selected per trace (``use_mosaic_forward``): by the tuning
+table's ``"fwd_kernel": "mosaic"`` where it measured faster (on Hopper, under the JAX it is tested
+on), by ``JAX_FLASH_FWD=mosaic`` / ``=triton``, or by ``force``; shapes and configurations it does not
+cover (``check`` says why) keep the Triton kernel, or raise under ``force``.
+
+Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
+any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import tile
+from ..rounding import native_casts
+from ..tile import Config
+
+ENV_VAR = "JAX_FLASH_FWD"
+TESTED_JAX = "0.11."  # the plgpu API this kernel is written against (GPU tests: jax 0.11.2)
+ROWS_PER_WG = 64  # wgmma's M: the query rows of one compute warpgroup
+COMPUTE_WGS = 2
+ROWS = ROWS_PER_WG * COMPUTE_WGS  # query rows per program
+HEAD_DIMS = (64, 128)
+KEY_TILES = (64, 128)  # cfg.block_k: the key tile is the numerics' (online softmax, tie count)
+# Shared-memory stages of the K/V ring per key tile width: 64-wide tiles are short MMAs, so more
+# of them in flight (4 stages at D = 128: 128 KiB of K/V plus 32 KiB of Q/O, within 227 KiB).
+STAGES = {64: 4, 128: 2}
+PINGPONG = True
+# Registers per thread after warpgroup specialisation: 2·128·232 + 128·40 ≤ 65,536 per SM.
+COMPUTE_REGS, PRODUCER_REGS = 232, 40
+
+_FORCE: contextvars.ContextVar = contextvars.ContextVar("jax_flash_mosaic_fwd", default=None)
+_WARNED: set = set()
+
+
+# ------------------------------------------------------------------------------------- selection
+@contextlib.contextmanager
+def force(enabled: bool = True):
+    """Select (or refuse) the Mosaic GPU forward for calls traced inside the block, whatever
+    ``JAX_FLASH_FWD`` says. Forced on, a configuration it does not cover raises instead of falling
+    back (an A/B must not time the Triton kernel under this name)."""
+    token = _FORCE.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _FORCE.reset(token)
+
+
+def check(cfg: Config, shape, dtype, o_dtype=None) -> str | None:
+    """Why the Mosaic forward cannot run this call (None: it can). ``shape``: q's padded
+    ``[B, T, H, D]``, as ``forward`` receives it."""
+    if cfg.policy.name != "fa2" or not cfg.policy.log2_units:
+        return f"policy {cfg.policy.name!r} (only 'fa2')"
+    if len(shape) != 4:
+        return f"rank {len(shape)} (expected [B, T, H, D])"
+    _, t, _, d = shape
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name} (bfloat16 or float16 only)"
+    if o_dtype is not None and jnp.dtype(o_dtype) != jnp.dtype(dtype):
+        return f"o_dtype {jnp.dtype(o_dtype).name} differs from the inputs' {jnp.dtype(dtype).name}"
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (supported: {HEAD_DIMS})"
+    if cfg.block_k not in KEY_TILES:
+        return f"block_k {cfg.block_k} (supported: {KEY_TILES})"
+    if not cfg.q_len == cfg.kv_len == t:
+        return (f"q_len {cfg.q_len}, kv_len {cfg.kv_len}, padded length {t} (all must be equal: "
+                "no padding, no cross-attention)")
+    if t % ROWS or t % cfg.block_k:
+        return f"length {t} not a multiple of {ROWS} query rows and of block_k {cfg.block_k}"
+    return None
+
+
+def _table_may_choose() -> str | None:
+    """Why the tuning table's ``"fwd_kernel": "mosaic"`` must not apply here (None: it may): the
+    kernel is written against jax 0.11's ``plgpu`` API and compiled for Hopper only."""
+    if not jax.__version__.startswith(TESTED_JAX):
+        return f"jax {jax.__version__} (the Mosaic GPU forward is tested on {TESTED_JAX}x)"
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not cc.startswith("9."):
+        return f"compute capability {cc or '?'} (Hopper, 9.x, only)"
+    return None
+
+
+def use_mosaic_forward(cfg: Config, shape=None, dtype=None, o_dtype=None) -> bool:
+    """Whether ``forward`` should run ``forward_mosaic``. Read at trace time, first match wins:
+    ``force`` (a call it does not cover raises), ``JAX_FLASH_FWD=mosaic`` or ``=triton`` (not
+    covered: a warning, then Triton), the tuning table's ``cfg.fwd_kernel == "mosaic"`` (where
+    measured faster; silently Triton where not covered, on another JAX or on a GPU other than
+    Hopper). Only on a GPU; ``shape``/``dtype``: q's, when known."""
+    forced = _FORCE.get()
+    env = os.environ.get(ENV_VAR, "").lower()
+    if forced is not None:
+        wanted, source = forced, "force"
+    elif env in ("mosaic", "triton"):
+        wanted, source = env == "mosaic", "env"
+    else:
+        wanted, source = cfg.fwd_kernel == "mosaic", "table"
+    if not wanted:
+        return False
+    reason = None if jax.default_backend() == "gpu" else "no GPU (Mosaic GPU compiles for Hopper)"
+    if reason is None and source == "table":
+        reason = _table_may_choose()
+    if reason is None and shape is not None:
+        reason = check(cfg, shape, dtype if dtype is not None else jnp.bfloat16, o_dtype)
+    if reason is None:
+        return True
+    if source == "force":
+        raise ValueError(f"Mosaic GPU forward forced on, but it does not cover this call: {reason}")
+    if source == "env" and reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"{ENV_VAR}=mosaic: running the Triton forward instead ({reason})", stacklevel=2)
+    return False
+
+
+# ----------------------------------------------------------------------------------- the kernel
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: int, stages: int,
+            interpret: bool):
+    from jax.experimental import pallas as pl
+
+    plgpu = _plgpu()
+    (qo_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
+     *p_smem) = scratch
+    p_smem = p_smem[0] if p_smem else None
+    bk, d = cfg.block_k, q_ref.shape[-1]
+    wg = lax.axis_index("wg")
+    batch, head = lax.axis_index("batch"), lax.axis_index("head")
+    # heaviest query blocks first when causal: the short ones then fill the last wave
+    blk = lax.axis_index("qblk")
+    if cfg.causal:
+        blk = q_ref.shape[1] // ROWS - 1 - blk
+    row0 = blk * ROWS
+
+    def steps_until(rows_end):  # key tiles a block of rows ending at rows_end visits
+        return jnp.minimum(nk, pl.cdiv(rows_end, bk)) if cfg.causal else nk
+
+    program_steps = steps_until(row0 + ROWS)
+
+    def take_turn():  # both compute warpgroups meet here; each call pairs with one of the other's
+        if PINGPONG:
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        qo = qo_smem.at[wg]
+        rows = row0 + wg * ROWS_PER_WG
+        n_steps = steps_until(rows + ROWS_PER_WG)
+        # tiles entirely at or below the block's first row need no mask (as forward._num_full_kv_tiles)
+        n_full = jnp.minimum(n_steps, (rows + 1) // bk) if cfg.causal else nk
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head], qo,
+                                q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        # warpgroup 1 starts one turn behind, so that the two alternate from the first tile
+        pl.when(wg == 1)(take_turn)
+
+        def step(j, carry, masked: bool):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].T)
+                take_turn()  # the QKᵀ is issued: the other warpgroup's softmax may end
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * cfg.score_scale  # tile.scores for "fa2"
+            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, bk, cfg) if masked else None
+            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg)
+            acc = carry.acc * alpha[:, None]  # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
+            if PINGPONG:
+                plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
+            plgpu.barrier_wait(v_ready.at[slot])
+            if PINGPONG:
+                plgpu.barrier_wait(turn)
+
+            if not interpret:  # P̄ from registers, acc·α as the accumulator: acc·α + P̄·V in the MMA
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_bar, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:
+                # jax 0.11's GPU interpreter has neither run_state nor a register wgmma operand:
+                # P̄ goes through shared memory, and the sum is tile.py's acc·α + (P̄·V)
+                p_smem.at[wg][...] = p_bar
+                plgpu.commit_smem()
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS_PER_WG, d), jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return tile.Carry(m_new, l_new, acc, None)
+
+        def skip(j, _):
+            # tiles past this warpgroup's diagonal that the other one needs: release them only after
+            # they arrived, so that each release counts towards this tile's phase of the barrier
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            take_turn()
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            take_turn()
+
+        carry = tile.init_carry(ROWS_PER_WG, d, cfg)
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+        if cfg.causal:
+            carry = lax.fori_loop(n_full, n_steps, functools.partial(step, masked=True), carry)
+            lax.fori_loop(n_steps, program_steps, skip, None)
+        pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
+
+        o, lse = tile.finish(carry, cfg)
+        qo[...] = o.astype(qo.dtype)
+        lse_smem.at[wg][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo, o_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _produce():
+        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+
+        def load(j, slot):
+            keys = (batch, pl.ds(j * bk, bk), head)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+
+        for j in range(stages):  # fill the ring (a causal program may need fewer tiles)
+            pl.when(j < program_steps)(functools.partial(load, j, j))
+
+        def refill(j, _):
+            slot = lax.rem(j, stages)
+            keys = (batch, pl.ds(j * bk, bk), head)
+            plgpu.barrier_wait(k_free.at[slot])  # both compute warpgroups are done with tile j - stages
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+
+        lax.fori_loop(stages, program_steps, refill, None)
+
+        def drain(j, _):
+            # observe the last releases too: harmless to skip on the GPU, but a barrier should end
+            # with every phase seen by the threads that wait on it (the interpreter checks it)
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+        lax.fori_loop(jnp.maximum(program_steps, stages), program_steps + stages, drain, None)
+
+
+def forward_mosaic(q, k, v, cfg: Config, *, o_dtype, interpret=None):
+    """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
+    ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
+    tests only)."""
+    reason = check(cfg, q.shape, q.dtype, o_dtype)
+    if reason is None and not (k.shape == v.shape == q.shape and q.dtype == k.dtype == v.dtype):
+        reason = f"q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} {v.dtype} differ"
+    if reason is not None:
+        raise ValueError(f"the Mosaic GPU forward does not cover this call: {reason}")
+    plgpu = _plgpu()
+    bsz, t, h, d = q.shape
+    bk = cfg.block_k
+    nk = t // bk
+    stages = min(STAGES[bk], nk)
+    if stages < 2:
+        raise ValueError(f"the Mosaic GPU forward needs ≥ 2 key tiles, got {nk}")
+    # 128-byte swizzle: one 64-element bf16 row of a tile per swizzle period, as wgmma reads it
+    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = (
+        plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), q.dtype, transforms=layout),  # Q, then O
+        plgpu.SMEM((stages, bk, d), q.dtype, transforms=layout),
+        plgpu.SMEM((stages, bk, d), q.dtype, transforms=layout),
+        plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q arrived, per warpgroup
+        plgpu.Barrier(num_barriers=stages),  # K_j arrived
+        plgpu.Barrier(num_barriers=stages),  # V_j arrived
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the ping-pong turn
+    )
+    if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
+        scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
+    body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages, interpret=interpret is not None)
+
+    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+        # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,
+        # XLA runs the body, so round_to's XLA-proof rounding
+        with native_casts(interpret is None):
+            pl_run_scoped(lambda *refs: body(q_ref, k_ref, v_ref, o_ref, lse_ref, refs), scratch)
+
+    def pl_run_scoped(fn, types):
+        from jax.experimental import pallas as pl
+
+        return pl.run_scoped(fn, *types, collective_axes="wg")
+
+    kwargs = {} if interpret is None else {"interpret": interpret}
+    o, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((bsz, t, h, d), o_dtype),
+                  jax.ShapeDtypeStruct((bsz, h, t), jnp.float32)),
+        grid=(t // ROWS, h, bsz),
+        grid_names=("qblk", "head", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **kwargs,
+    )(q, k, v)
+    return o, lse
