@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
 # The kernel work of one GPU call (docs/PERF_NOTES.md "The next GPU call"), for one lane of lanes.sh.
-# Results under $OUT (bench JSON files and logs). Earlier sessions' versions are in git history;
-# this one (needs `python -m bench.ab prepare 743e614` here and carry=["build/ab", ...]):
-#  1. our Mosaic GPU forward (lever 5): its GPU tests and a first A/B (experiments/gpu/mosaic_check.sh),
-#  2. v12 (dP's MMA before P's exp): the fa2 GPU tests, then old (743e614) vs new, fwd+bwd,
-#  3. the D = 64 entry with the score prefetch (pfps-d64): GPU same-values test, second A/B,
-#  4. the step time of the "fp32_bf16x6" arm (fp32x6-attn), 60 steps.
+# Results under $OUT (bench JSON files and logs). Earlier sessions' versions are in git history
+# (the tenth session's: the Mosaic GPU forward's first tests, v12, pfps-d64); this one:
+#  1. the benchmark of record with the shipped kernels (v12 backward, the Mosaic forward at 4×8192),
+#  2. the D = 64 entry with the score prefetch (pfps-d64): GPU same-values test, second A/B,
+#  3. the step time of the "fp32_bf16x6" arm (fp32x6-attn), 60 steps.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-[ -f experiments/gpu/mosaic_check.sh ] && OUT="$OUT/mosaic" timeout 200 bash experiments/gpu/mosaic_check.sh
-timeout 200 python3 -m pytest -m gpu tests/test_gpu.py -k "kernels_vs_jnp and fa2 or ab_entries and pfps" \
-  -q -s -p no:cacheprovider > "$OUT/gpu_v12.log" 2>&1
-echo "gpu tests (v12, pfps-d64): exit $?"; tail -1 "$OUT/gpu_v12.log"
-timeout 150 python3 -m bench.ab run --old build/ab/743e614 --variants old,new,old:stable,new:stable,cudnn \
-  --shapes 4x8192x16x128,8x2048x16x128,32x1024x12x64 --passes fwd+bwd \
-  --rounds 10 --reps 8 --out "$OUT/ab-v12.json" 2>&1 | grep " ms " | tail -15
+timeout 300 python3 -m bench.attention --shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128 --reps 30 \
+  --rounds 5 --memory-lengths "" --out "$OUT/bench.json" --md "$OUT/bench.md" > "$OUT/bench.log" 2>&1
+echo "bench.attention: exit $?"; tail -30 "$OUT/bench.md" 2>/dev/null
+timeout 120 python3 -m pytest -m gpu tests/test_gpu.py -k "ab_entries and pfps" -q -s -p no:cacheprovider \
+  > "$OUT/gpu_pfps.log" 2>&1
+echo "gpu test (pfps-d64): exit $?"; tail -1 "$OUT/gpu_pfps.log"
 timeout 80 python3 -m bench.ab run --variants new,new@pfps-d64,new:stable,new@pfps-d64:stable,cudnn \
   --entries bench/entries-scores.json --shapes 32x1024x12x64 --passes fwd,fwd+bwd \
   --rounds 10 --reps 8 --out "$OUT/ab-pfps-d64.json" 2>&1 | grep " ms " | tail -10
