@@ -103,6 +103,20 @@ def _jax_impls(causal):
         q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal, block_sizes=blocks)
 
 
+def fwd_kernel(q, causal, policy, stable) -> str:
+    """The forward kernel ``jf.attention`` runs for this call: "mosaic" or "triton" (the tuning
+    table decides, docs/PERF_NOTES.md), "jnp" off the GPU — recorded, since the table changes it."""
+    from jax_flash import api
+    from jax_flash.pallas import forward_mosaic
+
+    cfg, impl = api._make_config(q, q, q, causal=causal, stable=stable, beta=2.0, sm_scale=None,
+                                 policy=policy, delta="o", impl="auto", block_q=None, block_k=None)
+    if impl != "pallas":
+        return impl
+    mosaic = forward_mosaic.use_mosaic_forward(cfg, q.shape, q.dtype, cfg.policy.o_residual_dtype)
+    return "mosaic" if mosaic else "triton"
+
+
 def _jax_pass(f, pss):
     if pss == "fwd":
         return jax.jit(f)
@@ -166,8 +180,10 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
                 ms = timed_interleaved(fns, (q, k, v), per_round, rounds, sync=sync,
                                        log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
                 for (impl, policy, stable), t in ms.items():
+                    extra = {"fwd_kernel": fwd_kernel(q, causal, policy, stable)} \
+                        if impl == "jax_flash" else {}
                     records.append(dict(base, impl=impl, policy=policy, stable=stable,
-                                        **{"pass": pss}, ms=t,
+                                        **{"pass": pss}, ms=t, **extra,
                                         tflops=pass_flops(shape, causal, pss) / t / 1e9))
                     _log_record(records[-1], log)
             for rec in _torch_records(shape, causal, passes, reps, base, rounds):

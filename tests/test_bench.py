@@ -26,6 +26,29 @@ def test_records_and_markdown():
         assert any("cudnn" in line and "failed" in line for line in logged)
     table = bench.markdown(recs)
     assert "| jax_flash | fa2 | True |" in table and "1×32×2×32, causal" in table
+    expect = "jnp" if jax.default_backend() == "cpu" else "triton"  # no table entry at this shape
+    assert {r.get("fwd_kernel") for r in recs if r["impl"] == "jax_flash"} == {expect}
+    assert all("fwd_kernel" not in r for r in recs if r["impl"] != "jax_flash")
+
+
+def test_records_name_the_forward_kernel_the_table_chose(monkeypatch):
+    """On a Hopper GPU under jax 0.11 the tuning table's "fwd_kernel" decides; a record says which."""
+    from jax_flash import api
+    from jax_flash.pallas import forward_mosaic as fm
+    from jax_flash.pallas import tuning
+
+    class Dev:
+        compute_capability = "9.0"
+
+    monkeypatch.delenv(fm.ENV_VAR, raising=False)
+    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(fm.jax, "devices", lambda: [Dev()])
+    monkeypatch.setattr(fm.jax, "__version__", fm.TESTED_JAX + "2")
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    with tuning.override({"block_q": 64, "block_k": 64, "fwd_kernel": "mosaic"}):
+        assert bench.fwd_kernel(q, True, "fa2", True) == "mosaic"
+        assert bench.fwd_kernel(q, True, "paper", False) == "triton"  # not covered: "fa2" only
+    assert bench.fwd_kernel(q, True, "fa2", False) == "triton"  # no entry for this shape
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU sizes")
