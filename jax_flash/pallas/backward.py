@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 
 from .. import tile
 from ..tile import Config
+from . import backward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body
 from .forward import kv_loop
 
@@ -175,26 +176,35 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
         params = compiler_params(cfg.bwd_launch, d, cfg.block_q, bk, backward=True, itemsize=itemsize)
         dq_params = compiler_params(cfg.dq_launch or cfg.bwd_launch, d, bq, cfg.block_k,
                                     backward=True, itemsize=itemsize)
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=dkdv_cfg, nq=nq),
-        grid=(tk // bk, bsz, h),
-        in_specs=[_full_spec(tq, d), _block_spec(bk, d), _block_spec(bk, d), _full_spec(tq, d),
-                  _full_rows_spec(tq), _full_rows_spec(tq)],
-        out_specs=[_block_spec(bk, d), _block_spec(bk, d)],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, out_dtype), jax.ShapeDtypeStruct(v.shape, out_dtype)],
-        interpret=interpret_mode(),
-        compiler_params=params,
-        name=_name("dkdv", cfg),
-    )(q, k, v, do, lse, dlt)
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=dq_cfg, nk=tk // cfg.block_k),
-        grid=(tq // bq, bsz, h),
-        in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
-                  _row_spec(bq), _row_spec(bq)],
-        out_specs=_block_spec(bq, d),
-        out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
-        interpret=interpret_mode(),
-        compiler_params=dq_params,
-        name=_name("dq", cfg),
-    )(q, k, v, do, lse, dlt)
+    # the Hopper kernels where JAX_FLASH_BWD=mosaic[_dkdv] or backward_mosaic.force choose them
+    mosaic = backward_mosaic.use_mosaic_backward(cfg, q.shape, q.dtype, out_dtype, k.shape)
+    if mosaic:
+        dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
+    else:
+        dk, dv = pl.pallas_call(
+            functools.partial(_dkdv_kernel, cfg=dkdv_cfg, nq=nq),
+            grid=(tk // bk, bsz, h),
+            in_specs=[_full_spec(tq, d), _block_spec(bk, d), _block_spec(bk, d), _full_spec(tq, d),
+                      _full_rows_spec(tq), _full_rows_spec(tq)],
+            out_specs=[_block_spec(bk, d), _block_spec(bk, d)],
+            out_shape=[jax.ShapeDtypeStruct(k.shape, out_dtype),
+                       jax.ShapeDtypeStruct(v.shape, out_dtype)],
+            interpret=interpret_mode(),
+            compiler_params=params,
+            name=_name("dkdv", cfg),
+        )(q, k, v, do, lse, dlt)
+    if mosaic and backward_mosaic.mosaic_dq():
+        dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
+    else:
+        dq = pl.pallas_call(
+            functools.partial(_dq_kernel, cfg=dq_cfg, nk=tk // cfg.block_k),
+            grid=(tq // bq, bsz, h),
+            in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
+                      _row_spec(bq), _row_spec(bq)],
+            out_specs=_block_spec(bq, d),
+            out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
+            interpret=interpret_mode(),
+            compiler_params=dq_params,
+            name=_name("dq", cfg),
+        )(q, k, v, do, lse, dlt)
     return dq, dk, dv

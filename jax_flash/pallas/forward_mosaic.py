@@ -31,6 +31,8 @@ from jax import lax
 from .. import tile
 from ..rounding import native_casts
 from ..tile import Config
+from . import mosaic_common
+from .mosaic_common import produce_kv
 
 ENV_VAR = "JAX_FLASH_FWD"
 TESTED_JAX = "0.11."  # the plgpu API this kernel is written against (GPU tests: jax 0.11.2)
@@ -130,17 +132,11 @@ def use_mosaic_forward(cfg: Config, shape=None, dtype=None, o_dtype=None) -> boo
 
 
 # ----------------------------------------------------------------------------------- the kernel
-def _plgpu():
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu
-
-
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: int, stages: int,
             interpret: bool):
     from jax.experimental import pallas as pl
 
-    plgpu = _plgpu()
+    plgpu = mosaic_common.plgpu()
     (qo_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
      *p_smem) = scratch
     p_smem = p_smem[0] if p_smem else None
@@ -245,34 +241,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: in
 
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
-        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-
-        def load(j, slot):
-            keys = (batch, pl.ds(j * bk, bk), head)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
-
-        for j in range(stages):  # fill the ring (a causal program may need fewer tiles)
-            pl.when(j < program_steps)(functools.partial(load, j, j))
-
-        def refill(j, _):
-            slot = lax.rem(j, stages)
-            keys = (batch, pl.ds(j * bk, bk), head)
-            plgpu.barrier_wait(k_free.at[slot])  # both compute warpgroups are done with tile j - stages
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
-
-        lax.fori_loop(stages, program_steps, refill, None)
-
-        def drain(j, _):
-            # observe the last releases too: harmless to skip on the GPU, but a barrier should end
-            # with every phase seen by the threads that wait on it (the interpreter checks it)
-            slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-
-        lax.fori_loop(jnp.maximum(program_steps, stages), program_steps + stages, drain, None)
+        produce_kv(k_ref, v_ref, batch, head, bk, (k_smem, k_ready, k_free),
+                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
 
 
 def forward_mosaic(q, k, v, cfg: Config, *, o_dtype, interpret=None):
@@ -284,7 +254,7 @@ def forward_mosaic(q, k, v, cfg: Config, *, o_dtype, interpret=None):
         reason = f"q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} {v.dtype} differ"
     if reason is not None:
         raise ValueError(f"the Mosaic GPU forward does not cover this call: {reason}")
-    plgpu = _plgpu()
+    plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     bk = cfg.block_k
     nk = t // bk

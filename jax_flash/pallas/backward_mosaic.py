@@ -1,0 +1,517 @@
+"""Executor 2, backward, on Hopper: Mosaic GPU (Pallas ``plgpu``) dK/dV and dQ kernels for "fa2".
+
+The same contract as ``backward.py``'s Triton dK/dV kernel — dK (times sm_scale) and dV of each key,
+summed over the query blocks in increasing order, P recomputed from the saved L, δ = rowsum(dO∘O)
+given — with Hopper's data movement and dots. Each program owns 128 keys: two compute warpgroups of
+64 keys each (wgmma's M) hold K, V and the FP32 dK, dV accumulators; a producer warpgroup streams the
+query blocks' Q, dO (64 rows) and their L, δ rows by TMA into a ring of shared-memory stages with
+ready / free barriers. Per query block, four MMAs: Sᵀ = K·Qᵀ, dV += bf16(Pᵀ)·dO, dPᵀ = V·dOᵀ,
+dK += bf16(dSᵀ)·Q, with Pᵀ and dSᵀ ``tile.py``'s arithmetic (``p_tile``, ``ds_tile``, checked against
+``tile.backward_tile_dkdv`` in tests/test_backward_mosaic.py). Causal: query blocks above a
+warpgroup's keys are skipped, the diagonal block is masked with ``tile.tile_mask(transposed=True)``,
+the rest run without a mask.
+
+The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure: 128 query rows per program in two compute
+warpgroups, K and V tiles streamed by a producer warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ,
+dQ += bf16(dS)·K. Selected per trace (``use_mosaic_backward``, ``mosaic_dq``): by
+``JAX_FLASH_BWD=mosaic`` (both kernels), ``=mosaic_dkdv`` (dQ stays Triton's) or by ``force``; off
+by default (no tuning-table field yet). Calls it does not cover (``check`` says why) keep the
+Triton kernels, or raise under ``force``.
+
+Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
+any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import tile
+from ..rounding import cast_rounded, native_casts
+from ..tile import Config
+from . import mosaic_common
+from .mosaic_common import Stream, produce_kv, stream_ring
+
+ENV_VAR = "JAX_FLASH_BWD"
+KEYS_PER_WG = 64  # wgmma's M: the keys of one compute warpgroup
+COMPUTE_WGS = 2
+KEYS = KEYS_PER_WG * COMPUTE_WGS  # keys per program
+Q_TILE = 64  # query rows per streamed block (the reduction dimension of dK, dV: numerics-neutral)
+DQ_KEY_TILE = 64  # keys per streamed tile of the dQ kernel (its reduction dimension)
+HEAD_DIMS = (64, 128)
+# Shared-memory stages of the streamed ring (dK/dV: Q, dO; dQ: K, V): 32 KiB per stage at D = 128
+# (3 stages: 96 KiB, plus 64 KiB resident), 16 KiB at D = 64. The key/query tile is always 64.
+STAGES = {64: 4, 128: 3}
+COMPUTE_REGS, PRODUCER_REGS = 232, 40
+
+_FORCE: contextvars.ContextVar = contextvars.ContextVar("jax_flash_mosaic_bwd", default=None)
+_WARNED: set = set()
+
+
+# ------------------------------------------------------------------------------------- selection
+@contextlib.contextmanager
+def force(enabled: bool = True, *, dq: bool = True):
+    """Select (or refuse) the Mosaic GPU backward for calls traced inside the block, whatever
+    ``JAX_FLASH_BWD`` says: the dK/dV kernel, and the dQ kernel too unless ``dq=False``. Forced on,
+    a call it does not cover raises instead of falling back."""
+    token = _FORCE.set((bool(enabled), bool(dq)))
+    try:
+        yield
+    finally:
+        _FORCE.reset(token)
+
+
+def check(cfg: Config, shape, dtype, out_dtype=None, k_shape=None) -> str | None:
+    """Why the Mosaic dK/dV kernel cannot run this call (None: it can). ``shape``: q's padded
+    ``[B, T, H, D]``, as ``backward`` receives it; ``out_dtype``: the gradients' dtype."""
+    if cfg.policy.name != "fa2" or not cfg.policy.log2_units:
+        return f"policy {cfg.policy.name!r} (only 'fa2')"
+    if cfg.delta != "o":
+        return f"delta {cfg.delta!r} (only 'o')"
+    if len(shape) != 4:
+        return f"rank {len(shape)} (expected [B, T, H, D])"
+    _, t, _, d = shape
+    if k_shape is not None and tuple(k_shape) != tuple(shape):
+        return f"k shape {tuple(k_shape)} differs from q's {tuple(shape)}"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name} (bfloat16 or float16 only)"
+    if jnp.dtype(cfg.policy.operand_dtype) != jnp.dtype(dtype) or \
+            jnp.dtype(cfg.policy.p_dtype) != jnp.dtype(dtype):
+        return f"policy operand/P dtypes differ from the inputs' {jnp.dtype(dtype).name}"
+    if out_dtype is not None and jnp.dtype(out_dtype) != jnp.dtype(dtype):
+        return f"out_dtype {jnp.dtype(out_dtype).name} differs from the inputs' {jnp.dtype(dtype).name}"
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (supported: {HEAD_DIMS})"
+    if not cfg.q_len == cfg.kv_len == t:
+        return (f"q_len {cfg.q_len}, kv_len {cfg.kv_len}, padded length {t} (all must be equal: "
+                "no padding, no cross-attention)")
+    if t % KEYS or t % Q_TILE:
+        return f"length {t} not a multiple of {KEYS} keys"
+    return None
+
+
+def use_mosaic_backward(cfg: Config, shape=None, dtype=None, out_dtype=None, k_shape=None) -> bool:
+    """Whether ``backward`` should run ``dkdv_mosaic`` (and, where ``mosaic_dq`` says so,
+    ``dq_mosaic``). Read at trace time, first match wins: ``force`` (a call it does not cover
+    raises), ``JAX_FLASH_BWD=mosaic`` (both kernels) or ``=mosaic_dkdv`` (dK/dV only; not covered:
+    a warning, then Triton). Off otherwise. Only on a GPU; ``shape``/``dtype``: q's, when known."""
+    forced = _FORCE.get()
+    env = os.environ.get(ENV_VAR, "").lower()
+    if forced is not None:
+        wanted, source = forced[0], "force"
+    else:
+        wanted, source = env in ("mosaic", "mosaic_dkdv"), "env"
+    if not wanted:
+        return False
+    reason = None if jax.default_backend() == "gpu" else "no GPU (Mosaic GPU compiles for Hopper)"
+    if reason is None and shape is not None:
+        reason = check(cfg, shape, dtype if dtype is not None else jnp.bfloat16, out_dtype, k_shape)
+    if reason is None:
+        return True
+    if source == "force":
+        raise ValueError(f"Mosaic GPU dK/dV forced on, but it does not cover this call: {reason}")
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"{ENV_VAR}=mosaic: running the Triton dK/dV kernel instead ({reason})",
+                      stacklevel=2)
+    return False
+
+
+def mosaic_dq() -> bool:
+    """Where ``use_mosaic_backward`` chose the Mosaic backward: whether its dQ kernel runs too (not
+    under ``JAX_FLASH_BWD=mosaic_dkdv`` or ``force(dq=False)``)."""
+    forced = _FORCE.get()
+    if forced is not None:
+        return forced[1]
+    return os.environ.get(ENV_VAR, "").lower() != "mosaic_dkdv"
+
+
+# ------------------------------------------------------------------------------- tile arithmetic
+def p_tile(s_t, lse_b, mask_t, cfg: Config):
+    """Pᵀ (FP32) from the raw product K·Qᵀ (``s_t``, FP32, unscaled) and L broadcast to the tile
+    (``[keys, queries]``; ``mask_t`` None: nothing masked): ``tile.backward_tile_dkdv``'s
+    expressions — ``tile.scores`` for "fa2", then ``tile._p_from_scores`` — with L broadcast
+    explicitly (Mosaic GPU broadcasts a row vector with ``broadcast_in_dim`` from its layout)."""
+    return tile._p_from_scores(s_t * cfg.score_scale, lse_b, mask_t, cfg.policy)
+
+
+def ds_tile(p_t, dp_t, delta_b):
+    """dSᵀ = Pᵀ∘(dPᵀ − δ), δ broadcast to the tile: ``tile.backward_tile_dkdv``'s expression."""
+    return p_t * (dp_t - delta_b)
+
+
+# ----------------------------------------------------------------------------------- the kernel
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Config,
+            nq: int, stages: int, interpret: bool):
+    from jax.experimental import pallas as pl
+
+    plgpu = mosaic_common.plgpu()
+    (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
+     free, k_ready, v_ready, *staging) = scratch
+    bq, bk, d = Q_TILE, KEYS_PER_WG, q_ref.shape[-1]
+    wg = lax.axis_index("wg")
+    batch, head = lax.axis_index("batch"), lax.axis_index("head")
+    key0 = lax.axis_index("kblk") * KEYS  # causal: the first programs have the most query blocks
+    # the program's first query block: blocks wholly above its first key see none of its keys
+    first = key0 // bq if cfg.causal else 0
+    n_steps = nq - first
+
+    def wgmma_layout(x):
+        return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+    def row_vector(ref):  # L or δ of the block's queries, broadcast along the keys: [bk, bq]
+        if interpret:
+            vec = ref[...]
+        else:
+            vec = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(vec, (bk, bq), [1])
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        keys = key0 + wg * bk
+        kv = (batch, pl.ds(keys, bk), head)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv], k_tile, k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv], v_tile, v_ready.at[wg])
+        # in steps: blocks [0, wg_first) see none of this warpgroup's keys, [wg_first, wg_full) cross
+        # its diagonal, the rest see all of its keys
+        if cfg.causal:
+            wg_first = keys // bq - first
+            wg_full = jnp.minimum(pl.cdiv(keys + bk - 1, bq), nq) - first
+        else:
+            wg_first = wg_full = 0
+        plgpu.barrier_wait(k_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
+
+        def wait_ready(slot):
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+            plgpu.barrier_wait(dlt_ready.at[slot])
+
+        def skip(s, _):
+            slot = lax.rem(s, stages)
+            wait_ready(slot)
+            plgpu.barrier_arrive(free.at[slot])
+
+        def step(s, carry, masked: bool):
+            dk, dv = carry
+            slot = lax.rem(s, stages)
+            q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            plgpu.barrier_wait(q_ready.at[slot])
+
+            def sk(acc_ref):
+                plgpu.wgmma(acc_ref, k_tile, q_tile.T)
+                return acc_ref[...]
+
+            s_t = pl.run_scoped(sk, plgpu.ACC((bk, bq), jnp.float32))
+            plgpu.barrier_wait(lse_ready.at[slot])
+            lse_b = row_vector(lse_smem.at[slot])
+            mask_t = (tile.tile_mask((first + s) * bq, keys, bq, bk, cfg, transposed=True)
+                      if masked else None)
+            pol = cfg.policy
+            p_t = p_tile(s_t, lse_b, mask_t, cfg)
+            plgpu.barrier_wait(do_ready.at[slot])
+            if not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
+                p_op = cast_rounded(p_t, pol.p_dtype)
+
+                def dv_dp(refs):
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p_op, do_tile)
+                    plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+
+                zeros = wgmma_layout(jnp.zeros((bk, bq), jnp.float32))
+                dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+            else:
+                # jax 0.11's GPU interpreter has neither run_state nor a register wgmma operand:
+                # Pᵀ goes through shared memory, and the sum is tile.py's dv + (Pᵀ·dO)
+                p_stage, ds_stage = staging[0].at[wg], staging[1].at[wg]
+                p_stage[...] = cast_rounded(p_t, pol.p_dtype)
+                plgpu.commit_smem()
+
+                def dv_dp(dv_ref, dp_ref):
+                    plgpu.wgmma(dv_ref, p_stage, do_tile)
+                    plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+                    return dv_ref[...], dp_ref[...]
+
+                pdo, dp_t = pl.run_scoped(dv_dp, plgpu.ACC((bk, d), jnp.float32),
+                                          plgpu.ACC((bk, bq), jnp.float32))
+                dv = dv + pdo
+            plgpu.barrier_wait(dlt_ready.at[slot])
+            ds_t = ds_tile(p_t, dp_t, row_vector(dlt_smem.at[slot]))
+            if not interpret:
+                ds_op = cast_rounded(ds_t, pol.p_dtype)
+
+                def dk_mma(dk_ref):
+                    plgpu.wgmma(dk_ref, ds_op, q_tile)
+
+                dk = pl.run_state(dk_mma)(plgpu.ACC.init(dk))
+            else:
+                ds_stage[...] = cast_rounded(ds_t, pol.p_dtype)
+                plgpu.commit_smem()
+
+                def dk_mma(dk_ref):
+                    plgpu.wgmma(dk_ref, ds_stage, q_tile)
+                    return dk_ref[...]
+
+                dk = dk + pl.run_scoped(dk_mma, plgpu.ACC((bk, d), jnp.float32))
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv
+
+        zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
+        carry = (zeros, zeros)
+        if cfg.causal:
+            lax.fori_loop(0, wg_first, skip, None)
+            carry = lax.fori_loop(wg_first, wg_full, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(wg_full, n_steps, functools.partial(step, masked=False), carry)
+        dk, dv = carry
+        k_tile[...] = (dk * cfg.sm_scale).astype(k_tile.dtype)
+        v_tile[...] = dv.astype(v_tile.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv])
+        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _produce():
+        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+
+        rows = lambda s: pl.ds((first + s) * bq, bq)
+        # one free barrier per slot covers all four: the consumers release a step's Q, dO, L and δ at once
+        stream_ring([Stream(lambda s: q_ref.at[batch, rows(s), head], q_smem, q_ready, free),
+                     Stream(lambda s: lse_ref.at[batch, head, rows(s)], lse_smem, lse_ready, None),
+                     Stream(lambda s: do_ref.at[batch, rows(s), head], do_smem, do_ready, None),
+                     Stream(lambda s: dlt_ref.at[batch, head, rows(s)], dlt_smem, dlt_ready, None)],
+                    stages, n_steps)
+
+
+def _require_covered(kernel: str, cfg: Config, q, k, v, do, out_dtype):
+    reason = check(cfg, q.shape, q.dtype, out_dtype, k.shape)
+    if reason is None and not (k.shape == v.shape == do.shape == q.shape
+                               and q.dtype == k.dtype == v.dtype == do.dtype):
+        reason = (f"q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} {v.dtype}, "
+                  f"do {do.shape} {do.dtype} differ")
+    if reason is not None:
+        raise ValueError(f"the Mosaic GPU {kernel} kernel does not cover this call: {reason}")
+
+
+def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None):
+    """(dK, dV) ``[B, T, H, D]`` in ``out_dtype``, dK times sm_scale, as ``backward.backward``'s
+    dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
+    ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11; tests only)."""
+    _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
+    plgpu = mosaic_common.plgpu()
+    bsz, t, h, d = q.shape
+    nq = t // Q_TILE
+    stages = min(STAGES[d], nq)
+    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = (
+        plgpu.SMEM((stages, Q_TILE, d), q.dtype, transforms=layout),  # Q ring
+        plgpu.SMEM((stages, Q_TILE, d), q.dtype, transforms=layout),  # dO ring
+        plgpu.SMEM((stages, Q_TILE), jnp.float32),  # L ring
+        plgpu.SMEM((stages, Q_TILE), jnp.float32),  # δ ring
+        plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, d), q.dtype, transforms=layout),  # K, then dK
+        plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, d), q.dtype, transforms=layout),  # V, then dV
+        plgpu.Barrier(num_barriers=stages),  # Q arrived
+        plgpu.Barrier(num_barriers=stages),  # dO arrived
+        plgpu.Barrier(num_barriers=stages),  # L arrived
+        plgpu.Barrier(num_barriers=stages),  # δ arrived
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # slot free
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # K arrived, per warpgroup
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # V arrived, per warpgroup
+    )
+    if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
+        scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
+    body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages, interpret=interpret is not None)
+
+    def entry(*refs):
+        from jax.experimental import pallas as pl
+
+        # compiled: plain conversions round; interpreted, XLA runs the body: round_to's rounding
+        with native_casts(interpret is None):
+            pl.run_scoped(lambda *scr: body(*refs, scr), *scratch, collective_axes="wg")
+
+    kwargs = {} if interpret is None else {"interpret": interpret}
+    out = jax.ShapeDtypeStruct(q.shape, out_dtype)
+    dk, dv = plgpu.kernel(
+        entry,
+        out_type=(out, out),
+        grid=(t // KEYS, h, bsz),
+        grid_names=("kblk", "head", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **kwargs,
+    )(q, k, v, do, lse, dlt)
+    return dk, dv
+
+
+# ---------------------------------------------------------------------------------------------- dQ
+def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Config):
+    """dS = P∘(dP − δ) of a query block × key tile (``s``: the raw Q·Kᵀ, FP32, unscaled; L, δ
+    broadcast to ``[queries, keys]``): ``tile.backward_tile_dq``'s expressions."""
+    return tile._p_from_scores(s * cfg.score_scale, lse_b, mask, cfg.policy) * (dp - delta_b)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Config,
+               nk: int, stages: int, interpret: bool):
+    from jax.experimental import pallas as pl
+
+    plgpu = mosaic_common.plgpu()
+    (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
+     k_ready, v_ready, k_free, v_free, *staging) = scratch
+    rq, bk, d = KEYS_PER_WG, DQ_KEY_TILE, q_ref.shape[-1]
+    wg = lax.axis_index("wg")
+    batch, head = lax.axis_index("batch"), lax.axis_index("head")
+    blk = lax.axis_index("qblk")
+    if cfg.causal:  # heaviest query blocks first: the short ones then fill the last wave
+        blk = q_ref.shape[1] // KEYS - 1 - blk
+    row0 = blk * KEYS
+
+    def steps_until(rows_end):  # key tiles a block of rows ending at rows_end visits
+        return jnp.minimum(nk, pl.cdiv(rows_end, bk)) if cfg.causal else nk
+
+    program_steps = steps_until(row0 + KEYS)
+
+    def row_vector(ref):  # L or δ of the warpgroup's rows, broadcast along the keys: [rq, bk]
+        vec = ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        return lax.broadcast_in_dim(vec, (rq, bk), [0])
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+        rows = row0 + wg * rq
+        n_steps = steps_until(rows + rq)
+        # tiles entirely at or below the block's first row need no mask
+        n_full = jnp.minimum(n_steps, (rows + 1) // bk) if cfg.causal else nk
+        mine = (batch, pl.ds(rows, rq), head)
+        plgpu.copy_gmem_to_smem(q_ref.at[mine], q_tile, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[mine], do_tile, do_ready.at[wg])
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, pl.ds(rows, rq)], lse_smem.at[wg],
+                                lse_ready.at[wg])
+        plgpu.copy_gmem_to_smem(dlt_ref.at[batch, head, pl.ds(rows, rq)], dlt_smem.at[wg],
+                                dlt_ready.at[wg])
+        for bar in (q_ready, do_ready, lse_ready, dlt_ready):
+            plgpu.barrier_wait(bar.at[wg])
+
+        def step(j, dq, masked: bool):
+            slot = lax.rem(j, stages)
+            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            def dov(acc_ref):
+                plgpu.wgmma(acc_ref, do_tile, v_tile.T)
+                return acc_ref[...]
+
+            dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
+            ds = ds_tile_dq(s, dp, row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg]), mask,
+                            cfg)
+            ds = cast_rounded(ds, cfg.policy.p_dtype)
+            if not interpret:  # dS from registers, dQ as the accumulator
+
+                def dsk(acc_ref):
+                    plgpu.wgmma(acc_ref, ds, k_tile)
+
+                dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
+            else:  # the interpreter: dS through shared memory, tile.py's dq + (dS·K)
+                ds_stage = staging[0].at[wg]
+                ds_stage[...] = ds
+                plgpu.commit_smem()
+
+                def dsk(acc_ref):
+                    plgpu.wgmma(acc_ref, ds_stage, k_tile)
+                    return acc_ref[...]
+
+                dq = dq + pl.run_scoped(dsk, plgpu.ACC((rq, d), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        def skip(j, _):  # tiles past this warpgroup's diagonal that the other one needs
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+
+        dq = jnp.zeros((rq, d), jnp.float32)
+        dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
+        dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
+        if cfg.causal:
+            dq = lax.fori_loop(n_full, n_steps, functools.partial(step, masked=True), dq)
+            lax.fori_loop(n_steps, program_steps, skip, None)
+        q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _produce():
+        produce_kv(k_ref, v_ref, batch, head, bk, (k_smem, k_ready, k_free),
+                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
+
+
+def dq_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None):
+    """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
+    128 query rows per program (two compute warpgroups of 64), key tiles of 64 streamed by TMA, in
+    increasing order up to the causal diagonal. Arguments as ``dkdv_mosaic``."""
+    _require_covered("dQ", cfg, q, k, v, do, out_dtype)
+    plgpu = mosaic_common.plgpu()
+    bsz, t, h, d = q.shape
+    nk = t // DQ_KEY_TILE
+    stages = min(STAGES[d], nk)
+    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    rows = (COMPUTE_WGS, KEYS_PER_WG)
+    scratch = (
+        plgpu.SMEM((*rows, d), q.dtype, transforms=layout),  # Q, then dQ
+        plgpu.SMEM((*rows, d), q.dtype, transforms=layout),  # dO
+        plgpu.SMEM(rows, jnp.float32),  # L
+        plgpu.SMEM(rows, jnp.float32),  # δ
+        plgpu.SMEM((stages, DQ_KEY_TILE, d), q.dtype, transforms=layout),  # K ring
+        plgpu.SMEM((stages, DQ_KEY_TILE, d), q.dtype, transforms=layout),  # V ring
+        *(plgpu.Barrier(num_barriers=COMPUTE_WGS),) * 4,  # Q, dO, L, δ arrived, per warpgroup
+        plgpu.Barrier(num_barriers=stages),  # K_j arrived
+        plgpu.Barrier(num_barriers=stages),  # V_j arrived
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
+    )
+    if interpret is not None:  # dS staged for the interpreter's wgmma
+        scratch += (plgpu.SMEM((*rows, DQ_KEY_TILE), q.dtype, transforms=layout),)
+    body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,
+                             interpret=interpret is not None)
+
+    def entry(*refs):
+        from jax.experimental import pallas as pl
+
+        with native_casts(interpret is None):
+            pl.run_scoped(lambda *scr: body(*refs, scr), *scratch, collective_axes="wg")
+
+    kwargs = {} if interpret is None else {"interpret": interpret}
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, out_dtype),
+        grid=(t // KEYS, h, bsz),
+        grid_names=("qblk", "head", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **kwargs,
+    )(q, k, v, do, lse, dlt)

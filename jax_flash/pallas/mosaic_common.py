@@ -1,0 +1,85 @@
+"""Pieces shared by the Mosaic GPU kernels (forward_mosaic.py, backward_mosaic.py).
+
+Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: the package must import on
+any JAX it supports (0.10.2 on CPU); the kernels are written against jax 0.11.2's ``plgpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def plgpu():
+    from jax.experimental.pallas import mosaic_gpu
+
+    return mosaic_gpu
+
+
+def interpret_params():
+    """``plgpu.InterpretGPUParams(detect_races=True)`` where this JAX has the Mosaic GPU interpreter
+    (jax ≥ 0.11), else None: how the tests run the kernels on a CPU."""
+    try:
+        mg = plgpu()
+    except ImportError:
+        return None
+    params = getattr(mg, "InterpretGPUParams", None)
+    return params(detect_races=True) if params is not None else None
+
+
+class Stream(NamedTuple):
+    """One input a producer warpgroup streams through a ring of shared-memory slots."""
+
+    src: Callable  # j -> the GMEM window of tile j
+    ring: object  # SMEM [stages, ...]
+    ready: object  # barriers [stages]: the TMA of tile j arrives on ready[j % stages]
+    free: object | None  # barriers [stages] the consumers release a slot on; None: an earlier
+    # stream's free barrier already covers this slot
+
+
+def stream_ring(streams, stages: int, n):
+    """The producer's side of a ring of ``stages`` slots: tiles j = 0 … n − 1 of every stream, in
+    order, tile j into slot j % stages. The first ``stages`` tiles go out at once; tile j ≥ stages
+    waits, stream by stream, until the consumers released tile j − stages. At the end the last
+    releases are waited for too: nothing needs them on the GPU, but a barrier should end with every
+    phase observed (the interpreter checks it)."""
+    from jax.experimental import pallas as pl
+
+    mg = plgpu()
+
+    def issue(j, slot, wait_free):
+        for s in streams:
+            if wait_free and s.free is not None:
+                mg.barrier_wait(s.free.at[slot])
+            mg.copy_gmem_to_smem(s.src(j), s.ring.at[slot], s.ready.at[slot])
+
+    for j in range(stages):  # fill the ring (a causal program may need fewer tiles)
+        pl.when(j < n)(lambda j=j: issue(j, j, False))
+
+    def refill(j, _):
+        issue(j, lax.rem(j, stages), True)
+
+    lax.fori_loop(stages, n, refill, None)
+
+    def drain(j, _):
+        for s in streams:
+            if s.free is not None:
+                mg.barrier_wait(s.free.at[lax.rem(j, stages)])
+
+    lax.fori_loop(jnp.maximum(n, stages), n + stages, drain, None)
+
+
+def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, n, regs: int):
+    """The producer warpgroup of a kernel that walks key tiles (the forward, dQ): K and V tiles
+    j < n of (batch, head), ``bk`` keys each, through their rings; ``k_ring``, ``v_ring``: (SMEM ring,
+    ready barriers, free barriers). It keeps ``regs`` registers a thread, giving the rest to the
+    compute warpgroups."""
+    from jax.experimental import pallas as pl
+
+    plgpu().set_max_registers(regs, action="decrease")
+    keys = lambda j: (batch, pl.ds(j * bk, bk), head)
+    stream_ring([Stream(lambda j: k_ref.at[keys(j)], *k_ring),
+                 Stream(lambda j: v_ref.at[keys(j)], *v_ring)], stages, n)

@@ -1,0 +1,251 @@
+"""The Mosaic GPU backward (jax_flash/pallas/backward_mosaic.py: dK/dV and dQ kernels) on the CPU.
+
+Their tile arithmetic against tile.backward_tile_dkdv / backward_tile_dq, op for op (any JAX); the
+selection switch and the hook in backward.py; and, where JAX has a Mosaic GPU interpreter (jax ≥
+0.11: ``plgpu.InterpretGPUParams``), the whole kernels — TMA ring, ready/free barriers, two compute
+warpgroups, causal skipping and the masked diagonal — interpreted with race detection against the
+jnp executor's gradients and float64. The interpreter lacks a register operand of wgmma and
+``run_state``: there Pᵀ, dSᵀ (dS) go through shared memory and dV + Pᵀ·dO (etc.) is added after the
+MMA (as tile.py writes it). The compiled kernels run in tests/test_gpu.py (-k mosaic).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash as jf
+from jax_flash import jnp_impl, tile
+from jax_flash.pallas import backward_mosaic as bm
+from jax_flash.pallas.mosaic_common import interpret_params
+from jax_flash.policy import make_policy
+
+BF16 = jnp.bfloat16
+
+
+def make_cfg(t, d, *, causal=True, stable=False, block_q=64, block_k=64):
+    return tile.Config(policy=make_policy("fa2", BF16), causal=causal, stable=stable, beta=2.0,
+                       sm_scale=d ** -0.5, delta="o", block_q=block_q, block_k=block_k, q_len=t,
+                       kv_len=t)
+
+
+# ------------------------------------------------------------------------------ tile arithmetic
+@pytest.mark.parametrize("masked", [False, True])
+def test_kernel_step_is_backward_tile_dkdv(rng, masked):
+    """The kernel's step — raw K·Qᵀ and V·dOᵀ, ``p_tile``, ``ds_tile`` with L and δ broadcast to the
+    tile, the MMAs' dV + bf16(Pᵀ)·dO and dK + bf16(dSᵀ)·Q — == tile.backward_tile_dkdv, bitwise,
+    over three query blocks (the diagonal one masked when ``masked``)."""
+    bq, bk, d = 64, 64, 32
+    cfg = make_cfg(256, d, causal=masked)
+    pol = cfg.policy
+    k, v = (jnp.asarray(rng.standard_normal((bk, d)), BF16) for _ in range(2))
+    key0 = 64
+    ours = theirs = (jnp.zeros((bk, d), jnp.float32),) * 2
+    for i in (1, 2, 3):
+        q, do = (jnp.asarray(rng.standard_normal((bq, d)), BF16) for _ in range(2))
+        s = np.asarray(tile.scores(q, k, cfg))
+        lse = jnp.asarray(np.log2(np.exp2(s).sum(1)) + rng.uniform(-0.1, 0.1, bq), jnp.float32)
+        dlt = jnp.asarray(rng.standard_normal(bq), jnp.float32)
+        mask_t = (tile.tile_mask(i * bq, key0, bq, bk, cfg, transposed=True)
+                  if masked and i == 1 else None)
+        s_t = tile.dot_nt(k, q, pol)
+        dp_t = tile.dot_nt(v, do, pol)
+        bcast = lambda x: jax.lax.broadcast_in_dim(x, (bk, bq), [1])
+        p_t = bm.p_tile(s_t, bcast(lse), mask_t, cfg)
+        ds_t = bm.ds_tile(p_t, dp_t, bcast(dlt))
+        dk, dv = ours
+        dv = dv + tile.dot_nn(p_t.astype(BF16), do, pol)
+        dk = dk + tile.dot_nn(ds_t.astype(BF16), q, pol)
+        ours = (dk, dv)
+        theirs = tile.backward_tile_dkdv(*theirs, q, k, v, do, lse, dlt, mask_t, cfg)
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if masked:  # the diagonal block's mask has masked and unmasked entries
+        diag = np.asarray(tile.tile_mask(bq, key0, bq, bk, cfg, transposed=True))
+        assert np.any(~diag) and np.any(diag)
+    assert np.all(np.isfinite(np.asarray(ours[0]))) and np.any(np.asarray(ours[0]) != 0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_dq_step_is_backward_tile_dq(rng, masked):
+    """The dQ kernel's step — raw Q·Kᵀ and dO·Vᵀ, ``ds_tile_dq`` with L and δ broadcast to the tile,
+    the MMA's dQ + bf16(dS)·K — == tile.backward_tile_dq, bitwise, over three key tiles (the
+    diagonal one masked when ``masked``)."""
+    bq, bk, d = 64, 64, 32
+    cfg = make_cfg(256, d, causal=masked)
+    pol = cfg.policy
+    q, do = (jnp.asarray(rng.standard_normal((bq, d)), BF16) for _ in range(2))
+    rows = 128
+    lse = jnp.asarray(rng.uniform(2.0, 6.0, bq), jnp.float32)
+    dlt = jnp.asarray(rng.standard_normal(bq), jnp.float32)
+    bcast = lambda x: jax.lax.broadcast_in_dim(x, (bq, bk), [0])
+    ours = theirs = jnp.zeros((bq, d), jnp.float32)
+    for j in (0, 1, 2):
+        k, v = (jnp.asarray(rng.standard_normal((bk, d)), BF16) for _ in range(2))
+        mask = tile.tile_mask(rows, j * bk, bq, bk, cfg) if masked and j == 2 else None
+        ds = bm.ds_tile_dq(tile.dot_nt(q, k, pol), tile.dot_nt(do, v, pol), bcast(lse), bcast(dlt),
+                           mask, cfg)
+        ours = ours + tile.dot_nn(ds.astype(BF16), k, pol)
+        theirs = tile.backward_tile_dq(theirs, q, k, v, do, lse, dlt, mask, cfg)
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert np.all(np.isfinite(np.asarray(ours))) and np.any(np.asarray(ours) != 0)
+
+
+# ------------------------------------------------------------------------------------ selection
+def test_selection_is_off_by_default_and_cpu_safe(monkeypatch):
+    cfg = make_cfg(1024, 64)
+    shape = (2, 1024, 4, 64)
+    monkeypatch.delenv(bm.ENV_VAR, raising=False)
+    assert not bm.use_mosaic_backward(cfg, shape, BF16, BF16)
+    assert bm.check(cfg, shape, BF16, BF16, shape) is None
+    assert bm.check(make_cfg(1024, 128, block_q=128, block_k=128), (1, 1024, 1, 128), BF16) is None
+    assert "policy" in bm.check(tile.Config(**{**cfg.__dict__, "policy": make_policy("paper", BF16)}),
+                                shape, BF16)
+    assert "delta" in bm.check(tile.Config(**{**cfg.__dict__, "delta": "dpp"}), shape, BF16)
+    assert "head_dim" in bm.check(cfg, (2, 1024, 4, 32), BF16)
+    assert "out_dtype" in bm.check(cfg, shape, BF16, jnp.float32)
+    assert "q_len" in bm.check(make_cfg(1000, 64), shape, BF16)
+    assert "multiple" in bm.check(make_cfg(1088, 64), (2, 1088, 4, 64), BF16)
+    assert "k shape" in bm.check(cfg, shape, BF16, BF16, (2, 2048, 4, 64))
+    x = jnp.zeros((1, 1088, 1, 64), BF16)
+    rows = jnp.zeros((1, 1, 1088), jnp.float32)
+    with pytest.raises(ValueError, match="does not cover"):
+        bm.dkdv_mosaic(x, x, x, x, rows, rows, make_cfg(1088, 64), out_dtype=BF16)
+    if jax.default_backend() != "gpu":
+        monkeypatch.setenv(bm.ENV_VAR, "mosaic")  # no GPU: the Triton/interpret kernel runs
+        bm._WARNED.clear()
+        with pytest.warns(UserWarning, match="no GPU"):
+            chosen = bm.use_mosaic_backward(cfg, shape, BF16, BF16)
+        assert not chosen
+        with bm.force(True), pytest.raises(ValueError, match="forced"):
+            bm.use_mosaic_backward(cfg, shape, BF16, BF16)
+        with bm.force(False):
+            assert not bm.use_mosaic_backward(cfg, shape, BF16, BF16)
+        monkeypatch.setenv(bm.ENV_VAR, "triton")
+        assert not bm.use_mosaic_backward(cfg, shape, BF16, BF16)
+    # which kernels, once chosen: both, or dK/dV only
+    monkeypatch.setenv(bm.ENV_VAR, "mosaic")
+    assert bm.mosaic_dq()
+    monkeypatch.setenv(bm.ENV_VAR, "mosaic_dkdv")
+    assert not bm.mosaic_dq()
+    with bm.force(True):
+        assert bm.mosaic_dq()
+    monkeypatch.delenv(bm.ENV_VAR)
+    with bm.force(True, dq=False):
+        assert not bm.mosaic_dq()
+
+
+@pytest.mark.parametrize("with_dq", [True, False])
+def test_hook_in_backward_runs_them(monkeypatch, with_dq):
+    """backward.py's hook: where selected, dK and dV are the Mosaic kernel's (given q, k, v, dO, L, δ
+    as the Triton kernel gets them, the gradients' dtype), dQ the Mosaic dQ kernel's or (dK/dV
+    only) still the Triton kernel's; not selected, nothing of it runs."""
+    import importlib
+
+    pb = importlib.import_module("jax_flash.pallas.backward")  # the package exports its function
+    shape = (1, 128, 1, 64)
+    cfg = make_cfg(128, 64)
+    q, k, v, do = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), BF16)
+                   for i in range(4))
+    lse = jnp.zeros((1, 1, 128), jnp.float32) + 7.0
+    dlt = jnp.ones((1, 1, 128), jnp.float32)
+    seen = []
+
+    def fake(fill):
+        def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype))
+            out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
+            return out if len(out) > 1 else out[0]
+        return kernel
+
+    monkeypatch.setattr(bm, "dkdv_mosaic", fake((1.0, 2.0)))
+    monkeypatch.setattr(bm, "dq_mosaic", fake((3.0,)))
+    base = pb.backward(q, k, v, do, lse, dlt, cfg, out_dtype=BF16)
+    assert not seen
+    monkeypatch.setattr(bm, "use_mosaic_backward", lambda *a, **kw: True)
+    monkeypatch.setattr(bm, "mosaic_dq", lambda: with_dq)
+    dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, out_dtype=BF16)
+    assert len(seen) == (2 if with_dq else 1)
+    for args, got_cfg, out_dtype in seen:
+        for a, b in zip(args, (q, k, v, do, lse, dlt)):
+            assert a is b
+        assert got_cfg == cfg and out_dtype == BF16
+    assert np.all(np.asarray(dk, np.float32) == 1) and np.all(np.asarray(dv, np.float32) == 2)
+    if with_dq:
+        assert np.all(np.asarray(dq, np.float32) == 3)
+    else:
+        np.testing.assert_array_equal(np.asarray(dq, np.float32), np.asarray(base[0], np.float32))
+
+
+# ------------------------------------------------------------------------- interpreted kernel
+needs_interpreter = pytest.mark.skipif(
+    interpret_params() is None or jax.default_backend() == "gpu",
+    reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
+
+
+def _inputs(rng, shape, cfg, tied=False):
+    """q, k, v, dO and the forward's stored O, L and δ = rowsum(dO∘O) (the jnp executor's)."""
+    q, k, v, do = (np.asarray(rng.standard_normal(shape), np.float32) for _ in range(4))
+    if tied:  # queries along one direction, identical keys along it: tied maxima (stable shifts)
+        d = shape[-1]
+        u = rng.standard_normal(d).astype(np.float32)
+        u /= np.linalg.norm(u)
+        q = q * 0.3 + u * 4.0
+        for a in (3, 5, 130, 140):
+            k[:, a] = u * 8.0 * np.sqrt(d) / 4.0
+    q, k, v, do = (jnp.asarray(x, BF16) for x in (q, k, v, do))
+    o, lse = jnp_impl.forward(q, k, v, cfg)
+    o = jnp.asarray(o).astype(BF16)
+    dlt = jnp_impl.delta(q, k, v, o, do, lse, cfg)
+    return q, k, v, do, o, lse, dlt
+
+
+def _interpreted(q, k, v, do, lse, dlt, cfg):
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
+
+    interp.gpu_callbacks.reset_gpu_interpret_mode_state()
+    dk, dv = bm.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=q.dtype,
+                            interpret=interpret_params())
+    dk, dv = np.asarray(dk, np.float32), np.asarray(dv, np.float32)
+    assert not interp.get_races().races_found
+    interp.gpu_callbacks.reset_gpu_interpret_mode_state()
+    dq = bm.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=q.dtype, interpret=interpret_params())
+    dq = np.asarray(dq, np.float32)
+    assert not interp.get_races().races_found
+    return dq, dk, dv
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape,causal,stable", [
+    ((1, 256, 2, 64), True, False), ((1, 256, 2, 64), False, False),
+    ((1, 384, 1, 128), True, False), ((1, 384, 1, 128), False, True),
+    ((2, 384, 1, 64), True, True)],
+    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_interpreted_kernel_matches_jnp_executor(rng, shape, causal, stable):
+    """The kernels, interpreted: dQ, dK and dV as the jnp executor's up to the last bit of a few
+    elements (the interpreter's wgmma sums in another order than XLA's dot), as accurate against
+    the float64 gradients given the same δ. ``stable``: L from the stable forward on tied inputs
+    (the backward itself is the same)."""
+    cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=stable)
+    q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg, tied=stable)
+    dq, dk, dv = _interpreted(q, k, v, do, lse, dlt, cfg)
+    dqj, dkj, dvj = jnp_impl.backward(q, k, v, do, lse, dlt, cfg, out_dtype=BF16)
+    _, dq64, dk64, dv64 = jf.reference_numpy(q, k, v, do, causal=causal, o_for_delta=o)
+    for name, ours, jnp_g, ref in (("dQ", dq, dqj, dq64), ("dK", dk, dkj, dk64),
+                                   ("dV", dv, dvj, dv64)):
+        jnp_g = np.asarray(jnp_g, np.float32)
+        same = np.mean(ours == jnp_g)
+        err, err_j = (float(np.linalg.norm(x - ref) / np.linalg.norm(ref)) for x in (ours, jnp_g))
+        print(f"{shape} causal={causal} stable={stable} {name}: bitwise {100 * same:.3f} %, "
+              f"max |Δ| {np.abs(ours - jnp_g).max():.2e}, rel err {err:.3e} (jnp {err_j:.3e})")
+        assert same >= 0.99, name
+        # within 2 BF16 ulps of the row's largest gradient: MMA order moves an FP32 last bit, a
+        # wrong block, mask or barrier moves the gradient by its own size. Rows whose gradient is
+        # only rounding (causal row 0: P = 1, dP − δ cancels to ~1e-7) get FP32 noise of the
+        # tensor's scale as slack. Not on tied inputs: there dP − δ cancels in whole rows, and an
+        # FP32 last bit of dP moves a row's dS (seen: 3.6 % of one row's largest dQ) — the
+        # float64 comparison below and the bitwise share carry those cases.
+        row_max = np.max(np.maximum(np.abs(ours), np.abs(jnp_g)), axis=-1, keepdims=True)
+        slack = 2 ** -18 * np.abs(jnp_g).max()
+        assert stable or np.all(np.abs(ours - jnp_g) <= 2 ** -6 * row_max + slack), name
+        assert err <= 1.05 * err_j + 1e-6, name
