@@ -238,8 +238,10 @@ def test_stable_beta_cells(rng):
     (t > 20) is gone at every β (|t| < 4); with the ties split over two tiles the shift never fires
     and changes nothing; the tie-free rows' bias is the same at every β. ("Nothing" up to the
     compiler: XLA:CPU may fuse the stable program's exp differently, and an FP32 ulp then flips a
-    BF16 rounding — seen once, 1 element of 1024 × 64 (JAX_FLASH_SEED=834684990) — so the cell
-    statistics are compared to 1e-4 relative, not bitwise.)"""
+    BF16 rounding — seen at 1 element of 1024 × 64 (JAX_FLASH_SEED=834684990), and moving the tie-free
+    t of −62.70 by 1.4e-4 relative (JAX_FLASH_SEED=503829890, at the code of d1b4500 as well) — so
+    the cell statistics are compared to 1e-3 relative, not bitwise; the shift firing moves them by
+    far more, see the "one tile" asserts.)"""
     from experiments import stable_beta as sb
 
     res = {(r["ties"], r["beta"]): r for r in sb.run(rows=1024, seed=int(rng.integers(1 << 30)),
@@ -249,7 +251,7 @@ def test_stable_beta_cells(rng):
         assert abs(res["one tile", beta]["o_tie_t"]) < 4, beta
         assert res["one tile", beta]["shift_fired_tie"] == 1.0
         assert res["split", beta]["shift_fired_tie"] == 0.0
-        same = lambda a, b: a == b or abs(a - b) <= 1e-4 * abs(b)
+        same = lambda a, b: a == b or abs(a - b) <= 1e-3 * abs(b)
         for col in sb.COLUMNS:
             assert same(res["split", beta][col], res["split", "off"][col]), (beta, col)
         assert same(res["one tile", beta]["o_free_mean"], res["one tile", "off"]["o_free_mean"])
