@@ -8,7 +8,8 @@
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``mosaic`` (the working
 tree with our Mosaic GPU forward, jax_flash/pallas/forward_mosaic.py, selected while the variant is
-traced — fwd+bwd: that forward and the Triton backward; a call it does not cover fails), ``cudnn``
+traced — fwd+bwd: that forward and the backward the table chooses; a call it does not cover
+fails), ``cudnn``
 (``jax.nn.dot_product_attention``), ``mgpu`` (JAX's own Mosaic GPU attention,
 ``jax.experimental.pallas.ops.gpu.attention_mgpu``: Hopper-native, forward only when causal — a
 measure of what a Mosaic GPU path could reach, docs/PERF_NOTES.md); ``:stable`` adds the stable shift, ``@NAME`` launches with the

@@ -103,18 +103,25 @@ def _jax_impls(causal):
         q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal, block_sizes=blocks)
 
 
-def fwd_kernel(q, causal, policy, stable) -> str:
-    """The forward kernel ``jf.attention`` runs for this call: "mosaic" or "triton" (the tuning
-    table decides, docs/PERF_NOTES.md), "jnp" off the GPU — recorded, since the table changes it."""
+def kernels(q, causal, policy, stable, pss="fwd") -> dict:
+    """The kernels ``jf.attention`` runs for this call and pass: ``{"fwd_kernel": ...}`` and for
+    "fwd+bwd" also ``"bwd_kernel"`` — "mosaic", "mosaic_dkdv" (Mosaic dK/dV, Triton dQ) or "triton"
+    (the tuning table decides, docs/PERF_NOTES.md), "jnp" off the GPU; recorded, since the table
+    changes them."""
     from jax_flash import api
-    from jax_flash.pallas import forward_mosaic
+    from jax_flash.pallas import backward_mosaic, forward_mosaic
 
     cfg, impl = api._make_config(q, q, q, causal=causal, stable=stable, beta=2.0, sm_scale=None,
                                  policy=policy, delta="o", impl="auto", block_q=None, block_k=None)
     if impl != "pallas":
-        return impl
-    mosaic = forward_mosaic.use_mosaic_forward(cfg, q.shape, q.dtype, cfg.policy.o_residual_dtype)
-    return "mosaic" if mosaic else "triton"
+        return {"fwd_kernel": impl, **({"bwd_kernel": impl} if pss != "fwd" else {})}
+    fwd = forward_mosaic.use_mosaic_forward(cfg, q.shape, q.dtype, cfg.policy.o_residual_dtype)
+    out = {"fwd_kernel": "mosaic" if fwd else "triton"}
+    if pss != "fwd":
+        bwd = backward_mosaic.use_mosaic_backward(cfg, q.shape, q.dtype, q.dtype, q.shape)
+        out["bwd_kernel"] = ("mosaic" if backward_mosaic.mosaic_dq(cfg) else "mosaic_dkdv") \
+            if bwd else "triton"
+    return out
 
 
 def _jax_pass(f, pss):
@@ -180,8 +187,7 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
                 ms = timed_interleaved(fns, (q, k, v), per_round, rounds, sync=sync,
                                        log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
                 for (impl, policy, stable), t in ms.items():
-                    extra = {"fwd_kernel": fwd_kernel(q, causal, policy, stable)} \
-                        if impl == "jax_flash" else {}
+                    extra = kernels(q, causal, policy, stable, pss) if impl == "jax_flash" else {}
                     records.append(dict(base, impl=impl, policy=policy, stable=stable,
                                         **{"pass": pss}, ms=t, **extra,
                                         tflops=pass_flops(shape, causal, pss) / t / 1e9))

@@ -74,6 +74,10 @@ class Config:
     # ping-pong) where the tuning table measured it faster (field "fwd_kernel"), else "triton". The
     # same algorithm and rounding points; the summation order inside an MMA may differ.
     fwd_kernel: str = "triton"
+    # Pallas backward on Hopper: "mosaic" runs pallas/backward_mosaic.py's dK/dV and dQ kernels,
+    # "mosaic_dkdv" its dK/dV kernel only, where the table measured it faster (field "bwd_kernel");
+    # else "triton". The same contract and rounding points; MMA summation orders their own.
+    bwd_kernel: str = "triton"
 
     @property
     def score_scale(self) -> float:

@@ -9,6 +9,8 @@ jnp executor's gradients and float64. The interpreter lacks a register operand o
 MMA (as tile.py writes it). The compiled kernels run in tests/test_gpu.py (-k mosaic).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 import jax_flash as jf
 from jax_flash import jnp_impl, tile
 from jax_flash.pallas import backward_mosaic as bm
+from jax_flash.pallas import mosaic_common
 from jax_flash.pallas.mosaic_common import interpret_params
 from jax_flash.policy import make_policy
 
@@ -113,7 +116,7 @@ def test_selection_is_off_by_default_and_cpu_safe(monkeypatch):
         bm.dkdv_mosaic(x, x, x, x, rows, rows, make_cfg(1088, 64), out_dtype=BF16)
     if jax.default_backend() != "gpu":
         monkeypatch.setenv(bm.ENV_VAR, "mosaic")  # no GPU: the Triton/interpret kernel runs
-        bm._WARNED.clear()
+        mosaic_common._WARNED.clear()
         with pytest.warns(UserWarning, match="no GPU"):
             chosen = bm.use_mosaic_backward(cfg, shape, BF16, BF16)
         assert not chosen
@@ -125,14 +128,56 @@ def test_selection_is_off_by_default_and_cpu_safe(monkeypatch):
         assert not bm.use_mosaic_backward(cfg, shape, BF16, BF16)
     # which kernels, once chosen: both, or dK/dV only
     monkeypatch.setenv(bm.ENV_VAR, "mosaic")
-    assert bm.mosaic_dq()
+    assert bm.mosaic_dq(cfg)
     monkeypatch.setenv(bm.ENV_VAR, "mosaic_dkdv")
-    assert not bm.mosaic_dq()
+    assert not bm.mosaic_dq(cfg)
     with bm.force(True):
-        assert bm.mosaic_dq()
+        assert bm.mosaic_dq(cfg)
     monkeypatch.delenv(bm.ENV_VAR)
     with bm.force(True, dq=False):
-        assert not bm.mosaic_dq()
+        assert not bm.mosaic_dq(cfg)
+    assert bm.mosaic_dq(dataclasses.replace(cfg, bwd_kernel="mosaic"))
+    assert not bm.mosaic_dq(dataclasses.replace(cfg, bwd_kernel="mosaic_dkdv"))
+    monkeypatch.setenv(bm.ENV_VAR, "mosaic")  # the variable overrides the table
+    assert bm.mosaic_dq(dataclasses.replace(cfg, bwd_kernel="mosaic_dkdv"))
+
+
+def test_tuning_table_chooses_it_only_where_it_may(monkeypatch):
+    """``"bwd_kernel": "mosaic"`` / ``"mosaic_dkdv"`` in a tuning entry reaches the Config; it is
+    honoured only on a Hopper GPU under the JAX it is tested on, never for a call it does not cover
+    (silently), and JAX_FLASH_BWD=triton overrides it."""
+    from jax_flash import api
+    from jax_flash.pallas import tuning
+
+    monkeypatch.delenv(bm.ENV_VAR, raising=False)
+    x = jnp.zeros((1, 1024, 2, 64), BF16)
+    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")  # the table is read on GPUs only
+    for kernel in ("mosaic", "mosaic_dkdv"):
+        with tuning.override({"block_q": 64, "block_k": 64, "bwd_kernel": kernel}):
+            cfg, impl = api._make_config(x, x, x, causal=True, stable=True, beta=2.0, sm_scale=None,
+                                         policy="fa2", delta="o", impl="pallas", block_q=None,
+                                         block_k=None)
+        assert impl == "pallas" and cfg.bwd_kernel == kernel and cfg.fwd_kernel == "triton"
+        assert bm.mosaic_dq(cfg) == (kernel == "mosaic")
+    shape = (2, 1024, 4, 64)
+
+    class Dev:
+        compute_capability = "9.0"
+
+    monkeypatch.setattr(bm.jax, "devices", lambda: [Dev()])
+    monkeypatch.setattr(bm.jax, "__version__", mosaic_common.TESTED_JAX + "2")
+    assert bm.use_mosaic_backward(cfg, shape, BF16, BF16, shape)
+    assert not bm.use_mosaic_backward(dataclasses.replace(cfg, bwd_kernel="triton"), shape, BF16)
+    assert not bm.use_mosaic_backward(dataclasses.replace(cfg, delta="dpp"), shape, BF16)  # silently
+    assert not bm.use_mosaic_backward(cfg, shape, BF16, jnp.float32)  # FP32 gradients: not covered
+    monkeypatch.setenv(bm.ENV_VAR, "triton")
+    assert not bm.use_mosaic_backward(cfg, shape, BF16)
+    monkeypatch.delenv(bm.ENV_VAR)
+    Dev.compute_capability = "8.0"
+    assert not bm.use_mosaic_backward(cfg, shape, BF16)
+    Dev.compute_capability = "9.0"
+    monkeypatch.setattr(bm.jax, "__version__", "0.12.0")
+    assert not bm.use_mosaic_backward(cfg, shape, BF16)
 
 
 @pytest.mark.parametrize("with_dq", [True, False])
@@ -163,7 +208,7 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     base = pb.backward(q, k, v, do, lse, dlt, cfg, out_dtype=BF16)
     assert not seen
     monkeypatch.setattr(bm, "use_mosaic_backward", lambda *a, **kw: True)
-    monkeypatch.setattr(bm, "mosaic_dq", lambda: with_dq)
+    monkeypatch.setattr(bm, "mosaic_dq", lambda cfg: with_dq)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
     for args, got_cfg, out_dtype in seen:

@@ -29,26 +29,39 @@ def test_records_and_markdown():
     expect = "jnp" if jax.default_backend() == "cpu" else "triton"  # no table entry at this shape
     assert {r.get("fwd_kernel") for r in recs if r["impl"] == "jax_flash"} == {expect}
     assert all("fwd_kernel" not in r for r in recs if r["impl"] != "jax_flash")
+    assert all("bwd_kernel" not in r for r in recs)  # forward passes only
 
 
-def test_records_name_the_forward_kernel_the_table_chose(monkeypatch):
-    """On a Hopper GPU under jax 0.11 the tuning table's "fwd_kernel" decides; a record says which."""
+def test_records_name_the_kernels_the_table_chose(monkeypatch):
+    """On a Hopper GPU under jax 0.11 the tuning table's "fwd_kernel" and "bwd_kernel" decide; a
+    record says which ran."""
     from jax_flash import api
+    from jax_flash.pallas import backward_mosaic as bm
     from jax_flash.pallas import forward_mosaic as fm
-    from jax_flash.pallas import tuning
+    from jax_flash.pallas import mosaic_common, tuning
 
     class Dev:
         compute_capability = "9.0"
 
     monkeypatch.delenv(fm.ENV_VAR, raising=False)
+    monkeypatch.delenv(bm.ENV_VAR, raising=False)
     monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(fm.jax, "devices", lambda: [Dev()])
-    monkeypatch.setattr(fm.jax, "__version__", fm.TESTED_JAX + "2")
+    monkeypatch.setattr(fm.jax, "__version__", mosaic_common.TESTED_JAX + "2")
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    with tuning.override({"block_q": 64, "block_k": 64, "fwd_kernel": "mosaic"}):
-        assert bench.fwd_kernel(q, True, "fa2", True) == "mosaic"
-        assert bench.fwd_kernel(q, True, "paper", False) == "triton"  # not covered: "fa2" only
-    assert bench.fwd_kernel(q, True, "fa2", False) == "triton"  # no entry for this shape
+    mosaic = {"block_q": 64, "block_k": 64, "fwd_kernel": "mosaic", "bwd_kernel": "mosaic"}
+    with tuning.override(mosaic):
+        assert bench.kernels(q, True, "fa2", True) == {"fwd_kernel": "mosaic"}
+        assert bench.kernels(q, True, "fa2", True, "fwd+bwd") == {"fwd_kernel": "mosaic",
+                                                                   "bwd_kernel": "mosaic"}
+        # not covered: "fa2" only
+        assert bench.kernels(q, True, "paper", False, "fwd+bwd") == {"fwd_kernel": "triton",
+                                                                      "bwd_kernel": "triton"}
+    with tuning.override({**mosaic, "bwd_kernel": "mosaic_dkdv"}):
+        assert bench.kernels(q, True, "fa2", False, "fwd+bwd")["bwd_kernel"] == "mosaic_dkdv"
+    # no entry for this shape
+    assert bench.kernels(q, True, "fa2", False, "fwd+bwd") == {"fwd_kernel": "triton",
+                                                                "bwd_kernel": "triton"}
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU sizes")

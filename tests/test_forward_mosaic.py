@@ -17,6 +17,7 @@ import pytest
 import jax_flash as jf
 from jax_flash import jnp_impl, tile
 from jax_flash.pallas import forward_mosaic as fm
+from jax_flash.pallas import mosaic_common
 from jax_flash.pallas.mosaic_common import interpret_params
 from jax_flash.policy import make_policy
 
@@ -117,7 +118,7 @@ def test_selection_is_off_by_default_and_cpu_safe(monkeypatch):
                           o_dtype=BF16)
     if jax.default_backend() != "gpu":
         monkeypatch.setenv(fm.ENV_VAR, "mosaic")  # no GPU: the Triton/interpret kernel runs
-        fm._WARNED.clear()
+        mosaic_common._WARNED.clear()
         with pytest.warns(UserWarning, match="no GPU"):
             chosen = fm.use_mosaic_forward(cfg, shape, BF16)
         assert not chosen
@@ -151,7 +152,7 @@ def test_tuning_table_chooses_it_only_where_it_may(monkeypatch):
 
     monkeypatch.setattr(fm.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(fm.jax, "devices", lambda: [Dev()])
-    monkeypatch.setattr(fm.jax, "__version__", fm.TESTED_JAX + "2")
+    monkeypatch.setattr(fm.jax, "__version__", mosaic_common.TESTED_JAX + "2")
     assert fm.use_mosaic_forward(cfg, shape, BF16)
     assert not fm.use_mosaic_forward(dataclasses.replace(cfg, fwd_kernel="triton"), shape, BF16)
     assert not fm.use_mosaic_forward(cfg, (2, 1024, 4, 32), BF16)  # not covered: no warning
@@ -159,10 +160,10 @@ def test_tuning_table_chooses_it_only_where_it_may(monkeypatch):
     assert not fm.use_mosaic_forward(cfg, shape, BF16)
     monkeypatch.delenv(fm.ENV_VAR)
     Dev.compute_capability = "8.0"
-    assert "Hopper" in fm._table_may_choose() and not fm.use_mosaic_forward(cfg, shape, BF16)
+    assert "Hopper" in mosaic_common.table_may_choose() and not fm.use_mosaic_forward(cfg, shape, BF16)
     Dev.compute_capability = "9.0"
     monkeypatch.setattr(fm.jax, "__version__", "0.12.0")
-    assert "tested" in fm._table_may_choose() and not fm.use_mosaic_forward(cfg, shape, BF16)
+    assert "tested" in mosaic_common.table_may_choose() and not fm.use_mosaic_forward(cfg, shape, BF16)
 
 
 # ------------------------------------------------------------------------- interpreted kernel

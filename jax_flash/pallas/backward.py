@@ -176,7 +176,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
         params = compiler_params(cfg.bwd_launch, d, cfg.block_q, bk, backward=True, itemsize=itemsize)
         dq_params = compiler_params(cfg.dq_launch or cfg.bwd_launch, d, bq, cfg.block_k,
                                     backward=True, itemsize=itemsize)
-    # the Hopper kernels where JAX_FLASH_BWD=mosaic[_dkdv] or backward_mosaic.force choose them
+    # the Hopper kernels where the tuning table, JAX_FLASH_BWD or backward_mosaic.force choose them
     mosaic = backward_mosaic.use_mosaic_backward(cfg, q.shape, q.dtype, out_dtype, k.shape)
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
@@ -193,7 +193,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
             compiler_params=params,
             name=_name("dkdv", cfg),
         )(q, k, v, do, lse, dlt)
-    if mosaic and backward_mosaic.mosaic_dq():
+    if mosaic and backward_mosaic.mosaic_dq(cfg):
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
     else:
         dq = pl.pallas_call(

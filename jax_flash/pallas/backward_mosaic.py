@@ -13,10 +13,11 @@ the rest run without a mask.
 
 The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure: 128 query rows per program in two compute
 warpgroups, K and V tiles streamed by a producer warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ,
-dQ += bf16(dS)·K. Selected per trace (``use_mosaic_backward``, ``mosaic_dq``): by
-``JAX_FLASH_BWD=mosaic`` (both kernels), ``=mosaic_dkdv`` (dQ stays Triton's) or by ``force``; off
-by default (no tuning-table field yet). Calls it does not cover (``check`` says why) keep the
-Triton kernels, or raise under ``force``.
+dQ += bf16(dS)·K. Selected per trace (``use_mosaic_backward``, ``mosaic_dq``): by the tuning
+table's ``"bwd_kernel": "mosaic"`` (both kernels) or ``"mosaic_dkdv"`` (dQ stays Triton's) where it
+measured faster (on Hopper, under the JAX it is tested on), by ``JAX_FLASH_BWD=mosaic`` /
+``=mosaic_dkdv`` / ``=triton``, or by ``force``. Calls it does not cover (``check`` says why) keep
+the Triton kernels, or raise under ``force``.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
@@ -28,7 +29,6 @@ import contextlib
 import contextvars
 import functools
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,6 @@ STAGES = {64: 4, 128: 3}
 COMPUTE_REGS, PRODUCER_REGS = 232, 40
 
 _FORCE: contextvars.ContextVar = contextvars.ContextVar("jax_flash_mosaic_bwd", default=None)
-_WARNED: set = set()
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -98,40 +97,36 @@ def check(cfg: Config, shape, dtype, out_dtype=None, k_shape=None) -> str | None
     return None
 
 
+KERNELS = ("mosaic", "mosaic_dkdv")  # JAX_FLASH_BWD / the table's "bwd_kernel": both, or dK/dV only
+
+
+def _env() -> str:
+    env = os.environ.get(ENV_VAR, "").lower()
+    return env if env in KERNELS + ("triton",) else ""
+
+
 def use_mosaic_backward(cfg: Config, shape=None, dtype=None, out_dtype=None, k_shape=None) -> bool:
     """Whether ``backward`` should run ``dkdv_mosaic`` (and, where ``mosaic_dq`` says so,
-    ``dq_mosaic``). Read at trace time, first match wins: ``force`` (a call it does not cover
-    raises), ``JAX_FLASH_BWD=mosaic`` (both kernels) or ``=mosaic_dkdv`` (dK/dV only; not covered:
-    a warning, then Triton). Off otherwise. Only on a GPU; ``shape``/``dtype``: q's, when known."""
-    forced = _FORCE.get()
-    env = os.environ.get(ENV_VAR, "").lower()
-    if forced is not None:
-        wanted, source = forced[0], "force"
-    else:
-        wanted, source = env in ("mosaic", "mosaic_dkdv"), "env"
-    if not wanted:
-        return False
-    reason = None if jax.default_backend() == "gpu" else "no GPU (Mosaic GPU compiles for Hopper)"
-    if reason is None and shape is not None:
-        reason = check(cfg, shape, dtype if dtype is not None else jnp.bfloat16, out_dtype, k_shape)
-    if reason is None:
-        return True
-    if source == "force":
-        raise ValueError(f"Mosaic GPU dK/dV forced on, but it does not cover this call: {reason}")
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"{ENV_VAR}=mosaic: running the Triton dK/dV kernel instead ({reason})",
-                      stacklevel=2)
-    return False
+    ``dq_mosaic``) — ``mosaic_common.select``: ``force``, then ``JAX_FLASH_BWD=mosaic|mosaic_dkdv|
+    triton``, then the tuning table's ``cfg.bwd_kernel``. Only on a GPU; ``shape``/``dtype``: q's,
+    when known."""
+    forced, env = _FORCE.get(), _env()
+    return mosaic_common.select(
+        "dK/dV kernel", ENV_VAR, None if forced is None else forced[0],
+        (env in KERNELS) if env else None, cfg.bwd_kernel in KERNELS,
+        lambda: None if shape is None else check(
+            cfg, shape, dtype if dtype is not None else jnp.bfloat16, out_dtype, k_shape))
 
 
-def mosaic_dq() -> bool:
-    """Where ``use_mosaic_backward`` chose the Mosaic backward: whether its dQ kernel runs too (not
-    under ``JAX_FLASH_BWD=mosaic_dkdv`` or ``force(dq=False)``)."""
-    forced = _FORCE.get()
+def mosaic_dq(cfg: Config) -> bool:
+    """Where ``use_mosaic_backward`` chose the Mosaic backward: whether its dQ kernel runs too — not
+    under ``force(dq=False)``, ``JAX_FLASH_BWD=mosaic_dkdv`` or the table's ``"mosaic_dkdv"``."""
+    forced, env = _FORCE.get(), _env()
     if forced is not None:
         return forced[1]
-    return os.environ.get(ENV_VAR, "").lower() != "mosaic_dkdv"
+    if env in KERNELS:
+        return env == "mosaic"
+    return cfg.bwd_kernel != "mosaic_dkdv"
 
 
 # ------------------------------------------------------------------------------- tile arithmetic

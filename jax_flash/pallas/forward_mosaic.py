@@ -22,7 +22,6 @@ import contextlib
 import contextvars
 import functools
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,6 @@ from . import mosaic_common
 from .mosaic_common import produce_kv
 
 ENV_VAR = "JAX_FLASH_FWD"
-TESTED_JAX = "0.11."  # the plgpu API this kernel is written against (GPU tests: jax 0.11.2)
 ROWS_PER_WG = 64  # wgmma's M: the query rows of one compute warpgroup
 COMPUTE_WGS = 2
 ROWS = ROWS_PER_WG * COMPUTE_WGS  # query rows per program
@@ -49,7 +47,6 @@ PINGPONG = True
 COMPUTE_REGS, PRODUCER_REGS = 232, 40
 
 _FORCE: contextvars.ContextVar = contextvars.ContextVar("jax_flash_mosaic_fwd", default=None)
-_WARNED: set = set()
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -89,46 +86,16 @@ def check(cfg: Config, shape, dtype, o_dtype=None) -> str | None:
     return None
 
 
-def _table_may_choose() -> str | None:
-    """Why the tuning table's ``"fwd_kernel": "mosaic"`` must not apply here (None: it may): the
-    kernel is written against jax 0.11's ``plgpu`` API and compiled for Hopper only."""
-    if not jax.__version__.startswith(TESTED_JAX):
-        return f"jax {jax.__version__} (the Mosaic GPU forward is tested on {TESTED_JAX}x)"
-    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-    if not cc.startswith("9."):
-        return f"compute capability {cc or '?'} (Hopper, 9.x, only)"
-    return None
-
-
 def use_mosaic_forward(cfg: Config, shape=None, dtype=None, o_dtype=None) -> bool:
-    """Whether ``forward`` should run ``forward_mosaic``. Read at trace time, first match wins:
-    ``force`` (a call it does not cover raises), ``JAX_FLASH_FWD=mosaic`` or ``=triton`` (not
-    covered: a warning, then Triton), the tuning table's ``cfg.fwd_kernel == "mosaic"`` (where
-    measured faster; silently Triton where not covered, on another JAX or on a GPU other than
-    Hopper). Only on a GPU; ``shape``/``dtype``: q's, when known."""
-    forced = _FORCE.get()
+    """Whether ``forward`` should run ``forward_mosaic`` (``mosaic_common.select``: ``force``, then
+    ``JAX_FLASH_FWD=mosaic|triton``, then the tuning table's ``cfg.fwd_kernel == "mosaic"``). Only on
+    a GPU; ``shape``/``dtype``: q's, when known."""
     env = os.environ.get(ENV_VAR, "").lower()
-    if forced is not None:
-        wanted, source = forced, "force"
-    elif env in ("mosaic", "triton"):
-        wanted, source = env == "mosaic", "env"
-    else:
-        wanted, source = cfg.fwd_kernel == "mosaic", "table"
-    if not wanted:
-        return False
-    reason = None if jax.default_backend() == "gpu" else "no GPU (Mosaic GPU compiles for Hopper)"
-    if reason is None and source == "table":
-        reason = _table_may_choose()
-    if reason is None and shape is not None:
-        reason = check(cfg, shape, dtype if dtype is not None else jnp.bfloat16, o_dtype)
-    if reason is None:
-        return True
-    if source == "force":
-        raise ValueError(f"Mosaic GPU forward forced on, but it does not cover this call: {reason}")
-    if source == "env" and reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"{ENV_VAR}=mosaic: running the Triton forward instead ({reason})", stacklevel=2)
-    return False
+    return mosaic_common.select(
+        "forward", ENV_VAR, _FORCE.get(), (env == "mosaic") if env in ("mosaic", "triton") else None,
+        cfg.fwd_kernel == "mosaic",
+        lambda: None if shape is None else check(
+            cfg, shape, dtype if dtype is not None else jnp.bfloat16, o_dtype))
 
 
 # ----------------------------------------------------------------------------------- the kernel

@@ -10,7 +10,9 @@ rows a backward program keeps resident; ``dq`` / ``dq_block``: the dQ kernel's o
 resident block; ``prefetch_rows``: the dK/dV kernel loads L and δ a block ahead; ``prefetch_scores``: the
 forward computes the next key tile's scores before this tile's softmax — all the same
 values, see ``tile.Config``; ``fwd_kernel``: ``"mosaic"`` runs the Hopper forward of
-``forward_mosaic.py`` — the same rounding points, MMA summation order its own). The key tile size changes the numerics (the online-softmax
+``forward_mosaic.py``; ``bwd_kernel``: ``"mosaic"`` / ``"mosaic_dkdv"`` the Hopper backward of
+``backward_mosaic.py`` (both kernels / dK/dV only) — the same rounding points, MMA summation
+orders their own). The key tile size changes the numerics (the online-softmax
 rescaling); the tuner keeps "paper" at its 512-wide key tiles.
 """
 
