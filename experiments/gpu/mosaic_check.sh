@@ -29,6 +29,7 @@ import os, time, warnings
 warnings.filterwarnings("error", message="JAX_FLASH_BWD")  # a fallback to Triton: not timed
 import jax, jax.numpy as jnp, numpy as np
 import jax_flash as jf
+print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
 for shape in ((4, 8192, 16, 128), (16, 2048, 16, 64)):
     q, k, v, do = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(4))
     def f(q, k, v, do):  # the forward: the table's choice, the same in every process
@@ -44,4 +45,4 @@ for shape in ((4, 8192, 16, 128), (16, 2048, 16, 64)):
 PY
   echo "timing $kernel: exit $?"
 done
-grep -E " ms|Error" "$OUT/bwd-timing.log" | tail -16
+grep -E " ms|Error|^# jax" "$OUT/bwd-timing.log" | tail -16
