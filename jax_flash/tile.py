@@ -78,6 +78,10 @@ class Config:
     # "mosaic_dkdv" its dK/dV kernel only, where the table measured it faster (field "bwd_kernel");
     # else "triton". The same contract and rounding points; MMA summation orders their own.
     bwd_kernel: str = "triton"
+    # The stable forward's tie count summed in int32 instead of FP32 (tuning field "tie_count_int"):
+    # the same counts (small integers are exact in both); which compiles to fewer instructions per
+    # score entry is for the GPU to say (docs/PERF_NOTES.md, "Next levers after the eleventh session").
+    tie_count_int: bool = False
 
     @property
     def score_scale(self) -> float:
@@ -188,6 +192,8 @@ def tie_count(s, mask, r_m, cfg: Config):
     at_max = s >= threshold[:, None]
     if mask is not None:
         at_max = mask & at_max
+    if cfg.tie_count_int:
+        return jnp.sum(at_max.astype(jnp.int32), axis=1)
     return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
 
 

@@ -306,6 +306,15 @@ def test_prefetch_scores_is_the_same_arithmetic(rng, policy, causal, tiles, extr
     assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "prefetch_scores": True}))
 
 
+@pytest.mark.parametrize("policy,causal,tiles,extra", [
+    ("fa2", True, (16, 16), {}), ("fa2", True, (32, 16), {"split_diagonal": True, "prefetch_scores": True}),
+    pytest.param("paper", False, (32, 16), {}, marks=pytest.mark.slow)])
+def test_tie_count_int_is_the_same_arithmetic(rng, policy, causal, tiles, extra):
+    """``Config.tie_count_int`` (the stable forward's tie count summed in int32) changes no value:
+    the inputs have tied rows, so the count decides shifts here."""
+    assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "tie_count_int": True}))
+
+
 def test_dq_launch_and_block_reach_the_dq_kernel_only(monkeypatch):
     """The dQ kernel takes ``dq_launch`` / ``dq_block`` where set, the dK/dV kernel keeps
     ``bwd_launch`` / ``bwd_block``: grids and the launch each pallas_call is built with."""

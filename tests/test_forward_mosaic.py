@@ -228,6 +228,21 @@ def test_interpreted_stable_shifts_tie_rows(rng):
     assert np.any(o_s[:, 5:64] != o_b[:, 5:64])
 
 
+@needs_interpreter
+def test_interpreted_tie_count_int_same_values(rng):
+    """``tie_count_int`` (the tie count summed in int32) inside the kernel: bitwise the same O and L
+    as the FP32 count on tied rows, where the count decides the shift."""
+    import dataclasses
+
+    shape = (1, 256, 1, 64)
+    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (130, 140)))
+    cfg = make_cfg(256, 64, stable=True)
+    o_f, l_f = _interpreted(q, k, v, cfg)
+    o_i, l_i = _interpreted(q, k, v, dataclasses.replace(cfg, tie_count_int=True))
+    np.testing.assert_array_equal(o_i, o_f)
+    np.testing.assert_array_equal(l_i, l_f)
+
+
 def test_ab_mosaic_variant_selects_only_itself(monkeypatch):
     """bench.ab's ``mosaic`` variant selects the Mosaic forward while it is traced, and only then (an
     environment variable would leak into every variant traced later)."""
