@@ -344,6 +344,7 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None
         grid_names=("kblk", "head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name=f"jax_flash_dkdv_mosaic_{cfg.policy.name}",  # profilers filter on "jax_flash"
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(q, k, v, do, lse, dlt)
@@ -507,6 +508,7 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None):
         grid_names=("qblk", "head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name=f"jax_flash_dq_mosaic_{cfg.policy.name}",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(q, k, v, do, lse, dlt)

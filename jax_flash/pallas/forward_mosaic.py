@@ -266,6 +266,7 @@ def forward_mosaic(q, k, v, cfg: Config, *, o_dtype, interpret=None):
         grid_names=("qblk", "head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name=f"jax_flash_fwd_mosaic_{cfg.policy.name}",  # profilers filter on "jax_flash"
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(q, k, v)
