@@ -158,8 +158,12 @@ def test_ties_split_across_key_tiles_are_not_detected(rng):
     tiles has one "tie" per tile, so the shift does not fire and P̄ = 1 twice — stable equals the
     baseline bitwise. With one tile covering both, the shift fires."""
     q, k, v = (np.asarray(rng.standard_normal((1, 32, 1, 32)), np.float32) for _ in range(3))
-    q[:, :] = np.abs(q[:, :1])  # all queries alike
-    k[:, 3] = k[:, 20] = q[0, 0] * 0.8  # identical dominant keys (score ≈ 4.5) at 3 and 20
+    direction = rng.standard_normal(32).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    # queries alike but not equal (32 distinct rows: identical rows once kept every output's BF16
+    # bits under the shift by chance), identical dominant keys at 3 and 20 (scores ≈ 6–10)
+    q = q * 0.3 + direction * 4.0
+    k[:, 3] = k[:, 20] = direction * rng.uniform(6.0, 10.0) * np.sqrt(32) / 4.0
     q, k, v = (jnp.asarray(x, BF16) for x in (q, k, v))
     kw = dict(causal=False, impl="jnp", block_q=16)
     split = [np.asarray(jf.attention(q, k, v, stable=s, block_k=16, **kw), np.float32)
