@@ -284,6 +284,54 @@ def targets(records):
     return "\n".join(lines) + "\n"
 
 
+SERIES = (("jax-flash fa2", "jax_flash", "fa2", False), ("jax-flash fa2 stable", "jax_flash", "fa2", True),
+          ("jax-flash paper", "jax_flash", "paper", False), ("cuDNN", "cudnn", None, None),
+          ("PyTorch FA2", "torch_flash", None, None), ("JAX Pallas mha", "jax_pallas_mha", None, None),
+          ("XLA", "xla", None, None))
+
+
+def plot_series(records, pss):
+    """The bars of one panel: the causal shapes in record order and, per implementation that has
+    any, its TFLOP/s per shape (None where it has no record)."""
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in records if r["causal"]))
+    series = {}
+    for label, impl, policy, stable in SERIES:
+        vals = []
+        for shape in shapes:
+            ms = _ms(records, shape, True, pss, impl, policy, stable)
+            vals.append(pass_flops(shape, True, pss) / ms / 1e9 if ms else None)
+        if any(v is not None for v in vals):
+            series[label] = vals
+    return shapes, series
+
+
+def plot(records, path, title=""):
+    """Grouped bars, causal fwd and fwd+bwd TFLOP/s per shape and implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True)
+    for ax, pss in zip(axes, ("fwd", "fwd+bwd")):
+        shapes, series = plot_series(records, pss)
+        width = 0.8 / max(len(series), 1)
+        for i, (label, vals) in enumerate(series.items()):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(shapes))]
+            bars = ax.bar(xs, [v or 0 for v in vals], width, label=label)
+            ax.bar_label(bars, labels=[f"{v:.0f}" if v else "" for v in vals], fontsize=6)
+        ax.set_xticks(range(len(shapes)), ["×".join(map(str, s)) for s in shapes])
+        ax.set_title(f"causal {pss}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s")
+    axes[1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    print("wrote", path)
+
+
 def write_markdown(path, records, mem, source, device, version, date):
     with open(path, "w") as f:
         sync = records[0].get("sync", "call") if records else "call"
@@ -304,16 +352,21 @@ def main(argv=None):
     ap.add_argument("--memory-lengths", default="8192,16384", help="'' to skip")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")
+    ap.add_argument("--plot", default=None, help="also draw TFLOP/s bars (PNG) here")
     ap.add_argument("--from-json", default=None,
-                    help="re-render --md from a results file (and its -memory.json) without timing")
+                    help="re-render --md / --plot from a results file (and its -memory.json) without timing")
     args = ap.parse_args(argv)
     if args.from_json:
         records = json.load(open(args.from_json))
         mem_path = args.from_json.replace(".json", "-memory.json")
         mem = json.load(open(mem_path)) if os.path.exists(mem_path) else []
         r0 = records[0]
-        write_markdown(args.md, records, mem, args.from_json, r0["device"].replace(" ", "_"),
-                       r0["jax_version"], os.path.basename(args.from_json)[:10])
+        if args.md:
+            write_markdown(args.md, records, mem, args.from_json, r0["device"].replace(" ", "_"),
+                           r0["jax_version"], os.path.basename(args.from_json)[:10])
+        if args.plot:
+            plot(records, args.plot, f"{r0['device']}, jax {r0['jax_version']} "
+                                     f"({os.path.basename(args.from_json)})")
         return
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     modes = (True, False) if args.non_causal else (True,)
@@ -328,6 +381,8 @@ def main(argv=None):
     print("wrote", out, "and its -memory.json")
     if args.md:
         write_markdown(args.md, records, mem, out, device, jax.__version__, datetime.date.today())
+    if args.plot:
+        plot(records, args.plot, f"{device}, jax {jax.__version__} ({os.path.basename(out)})")
 
 
 if __name__ == "__main__":

@@ -360,3 +360,28 @@ def test_ab_times_an_archived_revision_beside_the_working_tree(tmp_path):
             ab.parse_variant(bad)
     with pytest.raises(KeyError):
         ab.run(root, [(1, 64, 2, 32)], ["fwd"], ["new@nope"], rounds=1, reps=1)
+
+
+def test_plot_series_and_png(tmp_path):
+    """The bar chart's numbers are the records' TFLOP/s recomputed from ms (causal shapes only, in
+    record order; None where an implementation has no record), and the PNG is written."""
+    shapes = [(2, 256, 2, 64), (1, 512, 2, 128)]
+    recs = []
+    for i, shape in enumerate(shapes):
+        for impl, policy, stable, ms in (("jax_flash", "fa2", False, 1.0 + i), ("jax_flash", "fa2", True, 1.5),
+                                         ("cudnn", None, None, 0.5)):
+            for pss in ("fwd", "fwd+bwd"):
+                recs.append(dict(impl=impl, policy=policy, stable=stable, shape=list(shape), causal=True,
+                                 ms=ms, tflops=0.0, **{"pass": pss}))
+    recs.append(dict(recs[0], causal=False, shape=[9, 9, 9, 9]))  # non-causal: not plotted
+    recs.append(dict(recs[1], impl="xla", policy=None, stable=None))  # fwd+bwd, first shape only
+    got_shapes, series = bench.plot_series(recs, "fwd+bwd")
+    assert got_shapes == shapes
+    assert set(series) == {"jax-flash fa2", "jax-flash fa2 stable", "cuDNN", "XLA"}
+    for j, shape in enumerate(shapes):
+        flops = bench.pass_flops(shape, True, "fwd+bwd")
+        assert series["jax-flash fa2"][j] == pytest.approx(flops / (1.0 + j) / 1e9)
+        assert series["cuDNN"][j] == pytest.approx(flops / 0.5 / 1e9)
+    assert series["XLA"][1] is None
+    bench.plot(recs, tmp_path / "b.png", "test")
+    assert (tmp_path / "b.png").stat().st_size > 10_000
