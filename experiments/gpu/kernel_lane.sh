@@ -5,7 +5,9 @@
 # this one is about the stable forward's tie count, the whole gap to issue 6's ≤ 3 % target:
 #  1. the candidates of bench/entries-ties.json (the shipped entries plus "tie_count_int"): GPU
 #     same-values test, then an interleaved A/B of the stable forward and fwd+bwd at both shapes,
-#  2. NCU=1: the Mosaic forward at 4×8192 per SASS instruction, baseline and stable (what the count
+#  2. the GPT-2 small train step with the current kernels: flash, flash + stable, cuDNN (issue 6's
+#     "stable ≤ 1.05× cuDNN"; last measured with v9),
+#  3. NCU=1: the Mosaic forward at 4×8192 per SASS instruction, baseline and stable (what the count
 #     compiles to; read with `python -m experiments.gpu.ncu_sass`), ~4 min.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -22,6 +24,8 @@ if [ "$rc" = 0 ]; then
     --entries bench/entries-ties.json --shapes 32x1024x12x64 --passes fwd,fwd+bwd \
     --rounds 10 --reps 8 --out "$OUT/ab-ties-d64.json" 2>&1 | grep " ms " | tail -8
 fi
+timeout 150 python3 -m experiments.gpu.throughput --steps 40 --arms flash,flash-stable,cudnn \
+  --out "$OUT/throughput.json" 2>&1 | tail -4
 [ "${NCU:-0}" = 1 ] && SOURCE=1 NCU_TIMEOUT=250 OUT="$OUT" bash experiments/gpu/ncu_profile.sh \
   4x8192x16x128:fa2:0:fwd 4x8192x16x128:fa2:1:fwd
 true
