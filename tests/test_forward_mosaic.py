@@ -243,6 +243,24 @@ def test_interpreted_tie_count_int_same_values(rng):
     np.testing.assert_array_equal(l_i, l_f)
 
 
+@needs_interpreter
+def test_static_op_counts_see_the_tie_count():
+    """experiments.mosaic_ops catches the kernel's per-thread module: the stable shift adds compares,
+    selects and adds to it, and ``tie_count_int`` turns the count's selects into i1→i32 extensions
+    and its FP32 adds into integer adds (the same number of ops: what ptxas makes of them is the GPU's
+    to say)."""
+    from experiments import mosaic_ops
+
+    shape = (1, 256, 1, 64)
+    base, stable, as_int = (mosaic_ops.op_counts(shape, **mosaic_ops.VARIANTS[n])
+                            for n in ("base", "stable", "stable+int"))
+    extra = mosaic_ops.difference(base, stable)
+    assert extra["arith.cmpf"] > 0 and extra["arith.select"] > 0 and extra["arith.addf"] > 0
+    assert as_int["arith.extui"] > stable["arith.extui"]
+    assert as_int["arith.select"] < stable["arith.select"]
+    assert as_int["arith.addi"] > stable["arith.addi"] and as_int["arith.addf"] < stable["arith.addf"]
+
+
 def test_ab_mosaic_variant_selects_only_itself(monkeypatch):
     """bench.ab's ``mosaic`` variant selects the Mosaic forward while it is traced, and only then (an
     environment variable would leak into every variant traced later)."""
