@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
-            "stable+int": dict(stable=True, tie_count_int=True)}
+            "stable+int": dict(stable=True, tie_count_int=True),
+            "base-k128": dict(stable=False, block_k=128), "stable-k128": dict(stable=True, block_k=128)}
 
 
 @contextlib.contextmanager
@@ -52,7 +53,7 @@ def op_counts(shape=(1, 2048, 2, 128), causal=True, **cfg_kw) -> collections.Cou
 
     b, t, h, d = shape
     cfg = Config(policy=make_policy("fa2", jnp.bfloat16), causal=causal, beta=2.0, sm_scale=d ** -0.5,
-                 delta="o", block_q=64, block_k=64, q_len=t, kv_len=t, **{"stable": False, **cfg_kw})
+                 delta="o", q_len=t, kv_len=t, **{"stable": False, "block_q": 64, "block_k": 64, **cfg_kw})
     sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     f = jax.jit(lambda q, k, v: forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=jnp.bfloat16))
     with _captured_modules() as seen:
