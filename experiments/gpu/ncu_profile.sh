@@ -3,7 +3,8 @@
 # stable forward costs +14 % at 4×8192 causal but +1 % at 8×2048 with the same launch, and the
 # forward's time hardly moves with tile size or warps (bench/results/*-tune-log.json).
 # Usage on the device machine: bash experiments/gpu/ncu_profile.sh [CASE ...]
-# CASE = SHAPE:POLICY:STABLE:PASS, e.g. 4x8192x16x128:fa2:1:fwd (default: the four below).
+# CASE = SHAPE:POLICY:STABLE:PASS[:ENTRY], e.g. 4x8192x16x128:fa2:1:fwd (default: the four below);
+# ENTRY: a candidate launch of bench/entries-*.json (e.g. k128) instead of the shipped table.
 # Writes $OUT/ncu/<case>.csv (details page: speed of light, pipes, warp stalls, instruction mix)
 # and <case>-raw.csv (every raw metric), and a one-line summary per kernel to stdout.
 set -u
@@ -22,8 +23,13 @@ cat > "$DRIVER" <<'PY'
 # Runs one attention pass three times; the profiler skips the first (compile, warm-up) call's kernels.
 import sys
 import jax, jax.numpy as jnp, numpy as np
+import contextlib, glob, json
 import jax_flash as jf
-shape, policy, stable, pss = sys.argv[1:5]
+from jax_flash.pallas import tuning
+shape, policy, stable, pss, entry = sys.argv[1:6]
+entries = {n: e for f in sorted(glob.glob("bench/entries-*.json")) for n, e in json.load(open(f)).items()}
+launch = tuning.override(entries[entry]) if entry else contextlib.nullcontext()
+launch.__enter__()  # for the whole run (kept referenced: the override lasts while the block is open)
 shape = tuple(int(x) for x in shape.split("x"))
 q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.bfloat16) for i in range(3))
 f = lambda q, k, v: jf.attention(q, k, v, policy=policy, stable=stable == "1", impl="pallas")
@@ -33,16 +39,17 @@ else:
     g = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
 for _ in range(3):
     jax.block_until_ready(g(q, k, v))
+launch.__exit__(None, None, None)
 PY
 for case in "${CASES[@]}"; do
-  IFS=: read -r shape policy stable pss <<< "$case"
+  IFS=: read -r shape policy stable pss entry <<< "$case"
   n=$([ "$pss" = fwd ] && echo 1 || echo 3)  # jax_flash kernels per call: fwd; or fwd, dK/dV, dQ
   name=$(echo "$case" | tr ':+' '__')
   rep=$(mktemp -d)/prof
   # shellcheck disable=SC2086
   timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --target-processes all -k regex:jax_flash \
     --launch-skip "$n" --launch-count "$n" $SECTIONS -o "$rep" \
-    python3 "$DRIVER" "$shape" "$policy" "$stable" "$pss" > "$OUT/ncu/$name.log" 2>&1
+    python3 "$DRIVER" "$shape" "$policy" "$stable" "$pss" "${entry:-}" > "$OUT/ncu/$name.log" 2>&1
   echo "$case: ncu exit $?"
   if [ -f "$rep.ncu-rep" ]; then
     ncu --import "$rep.ncu-rep" --csv --page details > "$OUT/ncu/$name.csv" 2>/dev/null
