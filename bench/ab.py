@@ -2,7 +2,7 @@
 
     python -m bench.ab prepare REV                      # here: writes build/ab/REV/jax_flash (git archive)
     python -m bench.ab run [--old build/ab/REV] [--variants new,new:stable,cudnn,old]
-        [--entries FILE.json] [--shapes 4x8192x16x128] [--passes fwd+bwd] [--rounds 5] [--reps 10]
+        [--entries FILE.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd] [--rounds 5] [--reps 10]
         [--out FILE.json]                               # on the GPU (carry build/ab)
     python -m bench.ab table FILE.json [...]            # markdown table of runs
 
@@ -15,6 +15,9 @@ fails), ``cudnn``
 measure of what a Mosaic GPU path could reach, docs/PERF_NOTES.md); ``:stable`` adds the stable shift, ``@NAME`` launches with the
 tuning entry NAME of ``--entries`` (a JSON object NAME → entry, as in jax_flash/pallas/tuning.json)
 instead of the shipped table, e.g. ``new@bwd128:stable``.
+
+Passes: ``fwd``, ``fwd+bwd`` and ``bwd`` (the backward alone, from residuals saved once per input:
+beside ``fwd`` it shows whether a faster forward reaches fwd+bwd).
 
 Timings of one ~1-ms configuration spread by up to 17 % between runs (docs/PERF_NOTES.md), so
 variants are compared within one process, interleaved: each round times every variant ``--reps``

@@ -125,17 +125,37 @@ def kernels(q, causal, policy, stable, pss="fwd") -> dict:
 
 
 def _jax_pass(f, pss):
+    """``pss``: "fwd" (O), "fwd+bwd" (the gradients of sum(O)) or "bwd" — the backward alone, from
+    residuals the forward saved once per input (the same cotangent as "fwd+bwd"): with "fwd" beside
+    it, it splits a fwd+bwd time into its parts, e.g. to see whether a faster forward reaches it."""
     if pss == "fwd":
         return jax.jit(f)
+    if pss == "bwd":
+        step = jax.jit(lambda vjp, do: vjp(do))  # vjp: a pytree (jax.tree_util.Partial) of residuals
+        saved = {}
+
+        def bwd(q, k, v):
+            key = (id(q), id(k), id(v))
+            if key not in saved:  # forward once per input, outside the timed calls
+                o, vjp = jax.vjp(f, q, k, v)
+                saved.clear()
+                saved[key] = (vjp, jnp.ones(o.shape, o.dtype), (q, k, v))  # keep q, k, v: ids stay theirs
+            vjp, do, _ = saved[key]
+            return step(vjp, do)
+
+        return bwd
+    if pss != "fwd+bwd":
+        raise ValueError(f"pass {pss!r}: fwd, fwd+bwd or bwd")
     loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def pass_flops(shape, causal, pss):
-    """FLOPs of one call (ANCHORS.md): 4·B·H·T²·D, half of it causal; fwd+bwd counted as 3.5× fwd."""
+    """FLOPs of one call (ANCHORS.md): 4·B·H·T²·D, half of it causal; fwd+bwd counted as 3.5× fwd
+    (so the backward alone as 2.5×)."""
     b, t, h, d = shape
     fwd = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
-    return fwd if pss == "fwd" else 3.5 * fwd
+    return fwd * {"fwd": 1.0, "fwd+bwd": 3.5, "bwd": 2.5}[pss]
 
 
 def _torch_records(shape, causal, passes, reps, base, rounds=1):

@@ -385,3 +385,35 @@ def test_plot_series_and_png(tmp_path):
     assert series["XLA"][1] is None
     bench.plot(recs, tmp_path / "b.png", "test")
     assert (tmp_path / "b.png").stat().st_size > 10_000
+
+
+def test_bwd_pass_is_the_backward_of_fwd_bwd_from_one_forward():
+    """The "bwd" pass returns the gradients the "fwd+bwd" pass returns (same cotangent), runs the
+    forward once per input however often it is called, and again for new inputs."""
+    import numpy as np
+
+    import jax_flash as jf
+
+    forwards = []
+
+    def f(q, k, v):
+        forwards.append(1)
+        return jf.attention(q, k, v, causal=True, stable=True, impl="jnp")
+
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 32)), jnp.bfloat16) for _ in range(3))
+    want = bench._jax_pass(f, "fwd+bwd")(q, k, v)
+    forwards.clear()
+    bwd = bench._jax_pass(f, "bwd")
+    for _ in range(3):
+        got = bwd(q, k, v)
+    assert len(forwards) == 1
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    q2 = q + jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    other = bwd(q2, k, v)
+    assert len(forwards) == 2 and not np.array_equal(np.asarray(other[0], np.float32),
+                                                     np.asarray(got[0], np.float32))
+    assert bench.pass_flops((1, 64, 2, 32), True, "bwd") == 2.5 * bench.pass_flops((1, 64, 2, 32), True, "fwd")
+    with pytest.raises(ValueError, match="pass"):
+        bench._jax_pass(f, "bwd+fwd")
