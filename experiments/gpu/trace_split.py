@@ -1,0 +1,143 @@
+"""Where one attention call's time goes on the GPU: kernels, gaps between them, and the wait before
+the first — read from a JAX profiler trace (CUPTI's kernel records, in situ: no cache flush or
+serialisation as under Nsight Compute).
+
+    python -m experiments.gpu.trace_split [--shape 4x8192x16x128] [--pass fwd+bwd]
+        [--variants new,new@k64] [--entries bench/entries-stable.json] [--calls 20] [--out F.json]
+
+Variants as in ``bench.ab`` (``new``, ``new@ENTRY``, ``:stable``, ``cudnn``). Each variant is jitted,
+warmed up, then called ``--calls`` times inside ``jax.profiler.trace``, each call waited for on its
+own (as ``bench.ab``'s ``sync="call"``). The trace's device events are split per call at the host's
+``PjitFunction`` events; per call: the host-to-first-kernel wait, each kernel's time, the device's busy
+time (union of its events), the span from first start to last end, and the idle time inside that span.
+Printed as medians per variant; ``--out`` keeps them with the per-call rows. The question it was
+written for (docs/PERF_NOTES.md "v14"): a forward 0.45 ms faster left fwd+bwd at 4×8192 unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+
+
+def load_trace(log_dir: str) -> list[dict]:
+    """The events of the newest perfetto trace under ``log_dir`` (written by jax.profiler.trace)."""
+    files = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir}")
+    t = json.load(gzip.open(files[-1]))
+    return t["traceEvents"] if isinstance(t, dict) else t
+
+
+def device_pids(events) -> set:
+    """Process ids whose name is a GPU device (``/device:GPU:0`` …)."""
+    return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and str(e.get("args", {}).get("name", "")).startswith("/device:GPU")}
+
+
+def _union(intervals):
+    total, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def split_calls(events, call_marker: str = "PjitFunction(") -> list[dict]:
+    """Per host call (an X event whose name starts with ``call_marker``, outside any other such event):
+    the device X events that start between it and the next call. Times in ms."""
+    gpu = device_pids(events)
+    calls = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu
+                    and str(e.get("name", "")).startswith(call_marker)), key=lambda e: e["ts"])
+    top = []  # nested markers (a jitted call inside another) belong to the outer one
+    for c in calls:
+        if top and c["ts"] < top[-1]["ts"] + top[-1].get("dur", 0):
+            continue
+        top.append(c)
+    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in gpu), key=lambda e: e["ts"])
+    rows = []
+    for i, c in enumerate(top):
+        t0, t1 = c["ts"], top[i + 1]["ts"] if i + 1 < len(top) else float("inf")
+        mine = [e for e in dev if t0 <= e["ts"] < t1]
+        if not mine:
+            rows.append({"kernels": [], "wait_ms": None, "busy_ms": 0.0, "span_ms": 0.0, "idle_ms": 0.0})
+            continue
+        iv = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in mine]
+        first, last = min(s for s, _ in iv), max(e for _, e in iv)
+        busy = _union(iv)
+        rows.append({"kernels": [(e["name"], e.get("dur", 0) / 1e3) for e in mine],
+                     "wait_ms": (first - t0) / 1e3, "busy_ms": busy / 1e3,
+                     "span_ms": (last - first) / 1e3, "idle_ms": (last - first - busy) / 1e3})
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Medians over calls; per kernel name, the median of its summed time per call."""
+    med = lambda xs: statistics.median(xs) if xs else None
+    names = sorted({n for r in rows for n, _ in r["kernels"]})
+    per_kernel = {n: med([sum(d for m, d in r["kernels"] if m == n) for r in rows]) for n in names}
+    return {"calls": len(rows), "wait_ms": med([r["wait_ms"] for r in rows if r["wait_ms"] is not None]),
+            "busy_ms": med([r["busy_ms"] for r in rows]), "span_ms": med([r["span_ms"] for r in rows]),
+            "idle_ms": med([r["idle_ms"] for r in rows]), "kernels_ms": per_kernel}
+
+
+def trace_variant(fn, args, calls: int, log_dir: str) -> list[dict]:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile, warm up
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    return split_calls(load_trace(log_dir))
+
+
+def main(argv=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_flash
+    from bench import ab
+    from bench.attention import _jax_pass
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="4x8192x16x128")
+    p.add_argument("--pass", dest="pss", default="fwd+bwd", choices=("fwd", "bwd", "fwd+bwd"))
+    p.add_argument("--variants", default="new")
+    p.add_argument("--entries", default=None)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    shape = tuple(int(x) for x in a.shape.split("x"))
+    entries = json.load(open(a.entries)) if a.entries else {}
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
+    out = {"shape": list(shape), "pass": a.pss, "jax_version": jax.__version__,
+           "device": jax.devices()[0].device_kind, "variants": {}}
+    for spec in a.variants.split(","):
+        fn = _jax_pass(ab._attention_fn(spec, {"new": jax_flash}, entries, True, "fa2"), a.pss)
+        rows = trace_variant(fn, (q, k, v), a.calls, tempfile.mkdtemp(prefix="trace-"))
+        s = summarize(rows)
+        out["variants"][spec] = {**s, "rows": rows}
+        fmt = lambda x: "—" if x is None else f"{x:.3f}"
+        print(f"{a.shape} {a.pss} {spec:>20}: wait {fmt(s['wait_ms'])}  span {fmt(s['span_ms'])}  "
+              f"busy {fmt(s['busy_ms'])}  idle {fmt(s['idle_ms'])} ms  | "
+              + "  ".join(f"{n[:32]} {fmt(t)}" for n, t in s["kernels_ms"].items()))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

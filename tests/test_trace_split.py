@@ -1,0 +1,70 @@
+"""experiments/gpu/trace_split.py: splitting a profiler trace into calls, kernels and idle time (the
+parser on synthetic traces with known answers; the capture on a CPU, where there are no GPU events)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments.gpu import trace_split as ts
+
+
+def _trace(calls, rng):
+    """Perfetto-style events: a host PjitFunction per call, then device kernels with known gaps."""
+    ev = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+          {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+    want, t = [], 1000.0
+    for c in calls:
+        ev.append({"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(f)", "ts": t, "dur": 50.0})
+        ev.append({"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(inner)", "ts": t + 5, "dur": 5.0})
+        wait = float(rng.uniform(5, 50))
+        k, busy, first = t + wait, 0.0, t + wait
+        for name, dur, gap in c:
+            ev.append({"ph": "X", "pid": 7, "tid": 3, "name": name, "ts": k, "dur": dur})
+            busy += dur
+            k += dur + gap
+        last = k - c[-1][2]
+        want.append({"wait": wait / 1e3, "busy": busy / 1e3, "span": (last - first) / 1e3})
+        t = k + 500.0
+    rng.shuffle(ev)  # the parser must not rely on the file's order
+    return ev, want
+
+
+def test_split_calls_finds_kernels_waits_and_idle_time():
+    rng = np.random.default_rng()
+    calls = [[("fwd", float(rng.uniform(100, 300)), float(rng.uniform(0, 80))),
+              ("dkdv", float(rng.uniform(100, 300)), float(rng.uniform(0, 80))),
+              ("dq", float(rng.uniform(100, 300)), 0.0)] for _ in range(5)]
+    ev, want = _trace(calls, rng)
+    rows = ts.split_calls(ev)
+    assert len(rows) == 5  # the nested PjitFunction is not a call of its own
+    for r, w, c in zip(rows, want, calls):
+        assert [n for n, _ in r["kernels"]] == ["fwd", "dkdv", "dq"]
+        np.testing.assert_allclose([d for _, d in r["kernels"]], [d / 1e3 for _, d, _ in c])
+        np.testing.assert_allclose([r["wait_ms"], r["busy_ms"], r["span_ms"]], [w["wait"], w["busy"], w["span"]])
+        np.testing.assert_allclose(r["idle_ms"], sum(g for _, _, g in c) / 1e3, atol=1e-9)
+    s = ts.summarize(rows)
+    assert s["calls"] == 5
+    np.testing.assert_allclose(s["kernels_ms"]["dkdv"], np.median([c[1][1] / 1e3 for c in calls]))
+
+
+def test_overlapping_kernels_count_once_in_busy_time():
+    ev = [{"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "X", "pid": 1, "name": "PjitFunction(f)", "ts": 0.0, "dur": 1.0},
+          {"ph": "X", "pid": 7, "name": "a", "ts": 10.0, "dur": 100.0},
+          {"ph": "X", "pid": 7, "name": "b", "ts": 60.0, "dur": 100.0},   # overlaps a by 50
+          {"ph": "X", "pid": 7, "name": "c", "ts": 200.0, "dur": 10.0}]
+    (r,) = ts.split_calls(ev)
+    assert r["busy_ms"] == pytest.approx(0.160) and r["span_ms"] == pytest.approx(0.200)
+    assert r["idle_ms"] == pytest.approx(0.040) and r["wait_ms"] == pytest.approx(0.010)
+
+
+def test_capture_on_cpu_sees_every_call(tmp_path):
+    """On a CPU the trace has the host calls but no GPU events: rows without kernels, one per call."""
+    out = tmp_path / "t.json"
+    ts.main(["--shape", "1x128x2x32", "--pass", "bwd", "--variants", "new,new:stable", "--calls", "3",
+             "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert set(got["variants"]) == {"new", "new:stable"}
+    for v in got["variants"].values():
+        assert v["calls"] == 3 and all(r["kernels"] == [] for r in v["rows"])
