@@ -63,6 +63,15 @@ def load_old(root: Path, name: str = "jax_flash_old"):
     return module
 
 
+def candidate_entries() -> dict:
+    """Every candidate launch of ``bench/entries-*.json`` (NAME → tuning entry), as the GPU tests and
+    the profiler driver see them."""
+    import glob
+
+    return {name: entry for f in sorted(glob.glob("bench/entries-*.json"))
+            for name, entry in json.loads(Path(f).read_text()).items()}
+
+
 def parse_variant(spec: str):
     """'new@NAME:stable' -> ('new', 'NAME', True)."""
     base, _, flags = spec.partition(":")

@@ -96,11 +96,9 @@ def test_gpu_split_diagonal_same_values(rng, shape, stable):
 
 
 def _ab_entries():
-    import glob
-    import json
+    from bench.ab import candidate_entries
 
-    return [(name, entry) for f in sorted(glob.glob("bench/entries-*.json"))
-            for name, entry in json.load(open(f)).items()]
+    return list(candidate_entries().items())
 
 
 @pytest.mark.parametrize("name,entry", _ab_entries(), ids=lambda x: x if isinstance(x, str) else "")

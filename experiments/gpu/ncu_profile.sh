@@ -23,12 +23,12 @@ cat > "$DRIVER" <<'PY'
 # Runs one attention pass three times; the profiler skips the first (compile, warm-up) call's kernels.
 import sys
 import jax, jax.numpy as jnp, numpy as np
-import contextlib, glob, json
+import contextlib
 import jax_flash as jf
+from bench.ab import candidate_entries
 from jax_flash.pallas import tuning
 shape, policy, stable, pss, entry = sys.argv[1:6]
-entries = {n: e for f in sorted(glob.glob("bench/entries-*.json")) for n, e in json.load(open(f)).items()}
-launch = tuning.override(entries[entry]) if entry else contextlib.nullcontext()
+launch = tuning.override(candidate_entries()[entry]) if entry else contextlib.nullcontext()
 launch.__enter__()  # for the whole run (kept referenced: the override lasts while the block is open)
 shape = tuple(int(x) for x in shape.split("x"))
 q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.bfloat16) for i in range(3))
