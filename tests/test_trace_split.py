@@ -68,3 +68,34 @@ def test_capture_on_cpu_sees_every_call(tmp_path):
     assert set(got["variants"]) == {"new", "new:stable"}
     for v in got["variants"].values():
         assert v["calls"] == 3 and all(r["kernels"] == [] for r in v["rows"])
+
+
+def test_halves_split_the_calls_in_order():
+    rng = np.random.default_rng()
+    early, late = rng.uniform(7, 8, 10), rng.uniform(8.5, 9, 10)  # a GPU slowing as it warms
+    rows = [{"kernels": [("k", x)], "wait_ms": 0.1, "busy_ms": x, "span_ms": x, "idle_ms": 0.0}
+            for x in np.concatenate([early, late])]
+    first, second = ts.halves(rows)
+    assert first["span_ms"] == pytest.approx(np.median(early))
+    assert second["span_ms"] == pytest.approx(np.median(late))
+    assert first["calls"] == second["calls"] == 10
+
+
+def test_smi_summary_counts_busy_samples_and_the_power_cap(tmp_path):
+    import gzip
+
+    head = ("timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], power.draw [W], "
+            "temperature.gpu, clocks_event_reasons.active")
+    rows = ["2026/11/30 12:00:00.000, 1980 MHz, 3201 MHz, 130.00 W, 40, 0x0000000000000001",  # idle
+            "2026/11/30 12:00:00.100, 1800 MHz, 3201 MHz, 690.00 W, 55, 0x0000000000000004",  # capped
+            "2026/11/30 12:00:00.200, 1900 MHz, 3201 MHz, 650.00 W, 55, 0x0000000000000000",
+            "2026/11/30 12:00:00.300, 1700 MHz, 3201 MHz, 705.00 W, 56, 0x0000000000000024",  # capped + thermal
+            "broken line"]
+    p = tmp_path / "smi.csv.gz"
+    with gzip.open(p, "wt") as f:
+        f.write("\n".join([head, *rows]) + "\n")
+    s = ts.smi_summary(str(p), busy_watts=300)
+    assert s["samples"] == 4 and s["busy"] == 3
+    assert s["sm_mhz_median"] == 1800 and s["sm_mhz_min"] == 1700 and s["power_w_max"] == 705
+    assert s["power_cap_fraction"] == pytest.approx(2 / 3)
+    ts.main(["--smi", str(p)])  # the CLI path prints it without touching a GPU

@@ -27,7 +27,7 @@ timeout 150 python3 -m bench.ab run --variants new,new:stable,new@k128-ti:stable
 for pss in fwd+bwd fwd; do   # per kernel and the device's idle time inside a call (profiler trace)
   timeout 90 python3 -m experiments.gpu.trace_split --shape 4x8192x16x128 --pass $pss \
     --variants new,new@k64,cudnn --entries bench/entries-stable.json --calls 20 \
-    --out "$OUT/trace-split-$pss.json" 2>&1 | tail -3
+    --out "$OUT/trace-split-${pss//+/}.json" 2>&1 | tail -3
 done
 kill $SMI 2>/dev/null
 timeout 300 python3 -m bench.attention --shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128 --reps 30 --rounds 5 \

@@ -12,6 +12,11 @@ own (as ``bench.ab``'s ``sync="call"``). The trace's device events are split per
 time (union of its events), the span from first start to last end, and the idle time inside that span.
 Printed as medians per variant; ``--out`` keeps them with the per-call rows. The question it was
 written for (docs/PERF_NOTES.md "v14"): a forward 0.45 ms faster left fwd+bwd at 4×8192 unchanged.
+
+Without a GPU: ``--from-json F.json`` prints a saved run again, with the medians of the first and
+the second half of the calls apart (the GPU's clocks fall as it warms: later calls are slower);
+``--smi F.csv[.gz]`` summarises an ``nvidia-smi --query-gpu=...,clocks.sm,...,power.draw,...,
+clocks_throttle_reasons.active --format=csv`` log over its busy samples (power above ``--busy-watts``).
 """
 
 from __future__ import annotations
@@ -91,6 +96,43 @@ def summarize(rows: list[dict]) -> dict:
             "idle_ms": med([r["idle_ms"] for r in rows]), "kernels_ms": per_kernel}
 
 
+def halves(rows: list[dict]) -> tuple[dict, dict]:
+    """``summarize`` of the first and of the second half of the calls (in call order)."""
+    n = len(rows) // 2
+    return summarize(rows[:n]), summarize(rows[n:])
+
+
+def smi_summary(path: str, busy_watts: float = 300.0) -> dict:
+    """Over the samples of an nvidia-smi CSV log drawing more than ``busy_watts``: their count, the
+    median and minimum SM clock (MHz), the median and maximum power (W), and the fraction with the
+    software power cap (throttle/event reason bit 0x4) active."""
+    import csv
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        rows = [[c.strip() for c in r] for r in csv.reader(f)]
+    head, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
+    col = lambda word: next(i for i, h in enumerate(head) if word in h)
+    sm, pw, why = col("clocks.current.sm" if any("current.sm" in h for h in head) else "clocks.sm"), \
+        col("power.draw"), col("reasons.active")
+    num = lambda x: float(x.split()[0])
+    busy = [r for r in body if num(r[pw]) > busy_watts]
+    if not busy:
+        return {"samples": len(body), "busy": 0}
+    clocks, watts = [num(r[sm]) for r in busy], [num(r[pw]) for r in busy]
+    capped = sum(1 for r in busy if int(r[why], 16) & 0x4)
+    return {"samples": len(body), "busy": len(busy), "sm_mhz_median": statistics.median(clocks),
+            "sm_mhz_min": min(clocks), "power_w_median": statistics.median(watts),
+            "power_w_max": max(watts), "power_cap_fraction": capped / len(busy)}
+
+
+def _print_summary(shape, pss, spec, s, tag=""):
+    fmt = lambda x: "—" if x is None else f"{x:.3f}"
+    print(f"{shape} {pss} {spec:>20}{tag}: wait {fmt(s['wait_ms'])}  span {fmt(s['span_ms'])}  "
+          f"busy {fmt(s['busy_ms'])}  idle {fmt(s['idle_ms'])} ms  | "
+          + "  ".join(f"{n[:32]} {fmt(t)}" for n, t in s["kernels_ms"].items()))
+
+
 def trace_variant(fn, args, calls: int, log_dir: str) -> list[dict]:
     import jax
 
@@ -118,7 +160,21 @@ def main(argv=None):
     p.add_argument("--entries", default=None)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--from-json", default=None, help="print a saved --out file (no GPU), with halves")
+    p.add_argument("--smi", default=None, help="summarise an nvidia-smi CSV log (no GPU)")
+    p.add_argument("--busy-watts", type=float, default=300.0)
     a = p.parse_args(argv)
+    if a.smi:
+        print(json.dumps(smi_summary(a.smi, a.busy_watts)))
+    if a.from_json:
+        saved = json.load(open(a.from_json))
+        shape = "x".join(str(x) for x in saved["shape"])
+        for spec, v in saved["variants"].items():
+            _print_summary(shape, saved["pass"], spec, summarize(v["rows"]), " all")
+            for tag, h in zip((" 1st half", " 2nd half"), halves(v["rows"])):
+                _print_summary(shape, saved["pass"], spec, h, tag)
+    if a.smi or a.from_json:
+        return
     shape = tuple(int(x) for x in a.shape.split("x"))
     entries = json.load(open(a.entries)) if a.entries else {}
     rng = np.random.default_rng(0)
@@ -130,10 +186,7 @@ def main(argv=None):
         rows = trace_variant(fn, (q, k, v), a.calls, tempfile.mkdtemp(prefix="trace-"))
         s = summarize(rows)
         out["variants"][spec] = {**s, "rows": rows}
-        fmt = lambda x: "—" if x is None else f"{x:.3f}"
-        print(f"{a.shape} {a.pss} {spec:>20}: wait {fmt(s['wait_ms'])}  span {fmt(s['span_ms'])}  "
-              f"busy {fmt(s['busy_ms'])}  idle {fmt(s['idle_ms'])} ms  | "
-              + "  ".join(f"{n[:32]} {fmt(t)}" for n, t in s["kernels_ms"].items()))
+        _print_summary(a.shape, a.pss, spec, s)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
