@@ -1,6 +1,7 @@
 """The per-tile numerics: rounding helper, tie test, stable shift, and the rounding bias itself."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -220,3 +221,122 @@ def test_transposed_tile_mask_is_the_transpose(causal):
         mt = tile.tile_mask(q_start, k_start, 32, 16, cfg, transposed=True)
         assert mt.shape == (16, 32)
         np.testing.assert_array_equal(np.asarray(mt), np.asarray(m).T)
+
+
+# ------------------------------------------------------------------------ tie_top2 (chunk-wise top 2)
+def _f32(x):
+    return np.float32(x)
+
+
+def nasty_tie_tile(rng, cfg, bk, width):
+    """Score rows (policy units) built around the "≥ 2 ties" decision for chunks of ``width``
+    columns: duplicate maxima in the same chunk position / the same chunk / elsewhere, entries
+    exactly at, one FP32 step below and above the tie threshold, masked (−inf) and fully masked
+    rows, +inf and NaN entries, maxima 0, < 0, huge; then random rows crowded near their max."""
+    w = math.gcd(bk, width)
+    rows = []
+
+    def row(top, others=None):
+        """A row with max ``top`` at column 0 and ``others`` {column: value}; the rest well below."""
+        top = _f32(top)
+        span = max(8.0, abs(float(top)) * 0.25) if np.isfinite(top) else 8.0
+        base = (top if np.isfinite(top) else 0.0) - span - rng.uniform(0, span, bk)
+        r = base.astype(np.float32)
+        r[0] = top
+        for c, val in (others or {}).items():
+            r[c % bk] = val
+        rows.append(r)
+
+    def thr(top):
+        return float(tile._tie_threshold(jnp.asarray([_f32(top)]), cfg)[0])
+
+    for top in (5.0, 60.0, 1e4, 3e8, -2.0, 0.0, 1e-3, -7.25):
+        t = thr(top)
+        below, above = np.nextafter(_f32(t), _f32(-np.inf)), np.nextafter(_f32(t), _f32(np.inf))
+        for c in (w, 1, w + 1, bk - 1):  # same chunk position, same chunk, elsewhere, last column
+            row(top, {c: top})  # an exact duplicate
+            for val in (t, below, above):  # the second entry at / just below / just above the threshold
+                row(top, {c: val})
+        row(top, {w: t, 2 * w: t})  # three at the max, all in chunk position 0
+        row(top, {1: below, w + 1: below, 2: below})  # only the max
+        row(top, {1: t, w: below})  # two: one at the threshold in another position
+        row(top, {c: -np.inf for c in range(1, bk)})  # the max alone among masked entries
+        row(top, {**{c: -np.inf for c in range(1, bk)}, w: top})  # two among masked entries
+        row(top, {c: top for c in range(bk)})  # every entry tied
+    rows.append(np.full(bk, -np.inf, np.float32))  # fully masked: r_m = −inf, no ties
+    row(np.inf)  # one +inf entry
+    row(np.inf, {w: np.inf})  # two
+    s = np.stack(rows)
+    # random rows crowded near their max (near-ties at every distance), BF16 scores for "paper"
+    n = 64
+    crowd = rng.uniform(-0.02, 0, (n, bk)) + rng.uniform(-3, 3, (n, 1)) * 10.0 ** rng.integers(-2, 4, (n, 1))
+    crowd = np.where(rng.random((n, bk)) < 0.1, -np.inf, crowd)
+    if cfg.policy.tie_test == "paper":
+        crowd = np.asarray(jf.round_to(jnp.asarray(crowd, jnp.float32), cfg.policy.lp_dtype))
+    return np.concatenate([s, crowd.astype(np.float32)])
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+@pytest.mark.parametrize("bk,width", [(64, 8), (128, 8), (40, 8), (128, 32)] + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in ((64, 16), (128, 64), (64, 64), (24, 8),
+                                                      (48, 32), (16, 3))])
+def test_tie_top2_decides_as_the_count(rng, policy, bk, width, monkeypatch):
+    """``tie_top2``: the chunk-wise top-2 decision is ``tie_count > 1`` on every row — constructed
+    rows (the threshold ± one FP32 step, duplicates in one chunk position or spread, masked, fully
+    masked, ±inf, NaN) and random crowded rows, their columns also shuffled across chunks — and
+    max(hi) is jnp.max's r_m, bit for bit. Also with an explicit mask (``tied_rows``) and through
+    ``softmax_update``."""
+    monkeypatch.setattr(tile, "TOP2_WIDTH", width)
+    cfg = config(policy)  # (its block_k is not read: the tile functions take s's width)
+    top2 = dataclasses.replace(cfg, tie_top2=True)
+    s0 = nasty_tie_tile(rng, cfg, bk, width)
+    for s in (s0, s0[:, rng.permutation(bk)]):
+        s = jnp.asarray(s)
+        r_m = jnp.max(s, axis=1)
+        want = np.asarray(tile.tie_count(s, None, r_m, cfg)) > 1
+        hi, lo = tile.top2_chunks(s)
+        assert hi.shape == (s.shape[0], math.gcd(bk, width))
+        np.testing.assert_array_equal(np.asarray(jnp.max(hi, axis=1)).view(np.uint32),
+                                      np.asarray(r_m).view(np.uint32))
+        np.testing.assert_array_equal(np.asarray(tile.ties_from_top2(hi, lo, r_m, top2)), want)
+        np.testing.assert_array_equal(np.asarray(tile.tied_rows(s, None, r_m, top2)), want)
+        assert want.sum() >= 10 and (~want).sum() >= 10
+        # an explicit mask over finite scores (masked entries above the max too)
+        mask = jnp.asarray(rng.random(s.shape) < 0.7)
+        s_raw = jnp.where(jnp.isneginf(s), 50.0, s)
+        r_mm = jnp.max(jnp.where(mask, s_raw, -jnp.inf), axis=1)
+        np.testing.assert_array_equal(np.asarray(tile.tied_rows(s_raw, mask, r_mm, top2)),
+                                      np.asarray(tile.tie_count(s_raw, mask, r_mm, cfg)) > 1)
+        # the whole online-softmax step, masked and mask-free, from a random carry
+        bq = s.shape[0]
+        carry = tile.Carry(jnp.asarray(rng.uniform(-5, 5, bq), jnp.float32),
+                           jnp.asarray(rng.uniform(0, 3, bq), jnp.float32),
+                           jnp.zeros((bq, 4), jnp.float32),
+                           jnp.full((bq,), -jnp.inf, jnp.float32) if cfg.policy.tile_sum_floor else None)
+        for m in (None, mask):
+            a, b = (jax.jit(lambda c, s, m, cf=cf: tile.softmax_update(c, s, m, cf))(carry, s, m)
+                    for cf in (cfg, top2))
+            for x, y in zip(a, b):
+                if x is not None:  # (float32: NumPy's NaN == NaN misses BF16 arrays)
+                    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_tie_top2_nan_rows(rng):
+    """A NaN score: with a NaN-propagating row max (as the GPU's ``max.NaN``) r_m and the threshold
+    are NaN and neither test finds ties. XLA:CPU's jnp.max drops NaN in wide rows (seen: ≥ 64 rows
+    of 64), so there tie_count may see r_m = 3 while max(hi) is NaN: then the decisions (and m) may
+    differ, but P̄ of the NaN entry and the row sum ℓ are NaN either way."""
+    cfg = config("fa2", block_k=64)
+    top2 = dataclasses.replace(cfg, tie_top2=True)
+    s = rng.uniform(-8, 0, (8, 64)).astype(np.float32)
+    s[:, 0] = s[:, 8] = s[:, 9] = 3.0  # ties in chunk position 0 and elsewhere
+    s[np.arange(8), rng.integers(0, 64, 8)] = np.nan
+    r_m = jnp.asarray(np.max(s, axis=1))  # NumPy's max propagates NaN
+    assert np.all(np.isnan(np.asarray(r_m)))
+    assert not np.any(np.asarray(tile.tie_count(jnp.asarray(s), None, r_m, cfg)) > 1)
+    assert not np.any(np.asarray(tile.tied_rows(jnp.asarray(s), None, r_m, top2)))
+    hi, _ = tile.top2_chunks(jnp.asarray(s))
+    assert np.all(np.isnan(np.asarray(jnp.max(hi, axis=1))))
+    carry = tile.init_carry(8, 4, cfg)
+    for cf in (cfg, top2):
+        assert np.all(np.isnan(np.asarray(tile.softmax_update(carry, jnp.asarray(s), None, cf)[1])))
