@@ -23,9 +23,7 @@ import jax.numpy as jnp
 
 VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
             "stable+int": dict(stable=True, tie_count_int=True),
-            "base-k128": dict(stable=False, block_k=128), "stable-k128": dict(stable=True, block_k=128),
-            "stable+top2": dict(stable=True, tie_top2=True),
-            "stable+top2-k128": dict(stable=True, tie_top2=True, block_k=128)}
+            "base-k128": dict(stable=False, block_k=128), "stable-k128": dict(stable=True, block_k=128)}
 
 
 @contextlib.contextmanager

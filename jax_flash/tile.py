@@ -82,12 +82,6 @@ class Config:
     # the same counts (small integers are exact in both); which compiles to fewer instructions per
     # score entry is for the GPU to say (docs/PERF_NOTES.md, "Next levers after the eleventh session").
     tie_count_int: bool = False
-    # The stable forward decides "≥ 2 ties" from per-column-chunk top-2 values kept alongside the row
-    # max (``top2_chunks``) instead of a per-entry count after it (tuning field "tie_top2"): the same
-    # decisions and the same r_m (max is exact); after r_m only a chunk's width of compares per row.
-    # Mosaic forward and jnp executor: the Triton lowering (jax 0.10/0.11) has no rule for the
-    # column slices, so a Triton entry must leave it off.
-    tie_top2: bool = False
 
     @property
     def score_scale(self) -> float:
@@ -172,22 +166,6 @@ def scores(q, k, cfg: Config):
     return s * cfg.score_scale
 
 
-def _tie_threshold(r_m, cfg: Config):
-    """Per row, the score an entry must reach to count as "at the max" r_m (see ``tie_count``)."""
-    pol = cfg.policy
-    if pol.tie_test == "paper":
-        threshold = round_to(r_m - 1e-3, pol.lp_dtype)
-    else:
-        # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
-        # ⟺  x ≥ log(1 − eps/4), i.e. S ≥ r_m + log(1 − eps/4): a compare instead of an exp per entry.
-        # The threshold is rounded to FP32 once per row, so it may admit the one FP32 value just below
-        # the exact boundary (S − r_m is exact there, Sterbenz): a near-tie 2⁻⁹ below the max.
-        eps = float(jnp.finfo(pol.tie_dtype).eps)
-        threshold = r_m + _log(1.0 - eps / 4.0, pol)
-    # a row with nothing unmasked (r_m = −inf) has no ties: −inf ≥ −inf must not count its −inf entries
-    return jnp.where(r_m == NEG_INF, jnp.inf, threshold)
-
-
 def tie_count(s, mask, r_m, cfg: Config):
     """Per row, the number of unmasked entries "at the max" r_m (masked entries never count;
     ``mask=None``: a tile without masked entries, or one whose masked entries are −inf in ``s``).
@@ -199,68 +177,24 @@ def tie_count(s, mask, r_m, cfg: Config):
     Both are one compare per entry against a per-row threshold: the count is the stable forward's
     only per-entry extra work (docs/PERF_NOTES.md v8).
     """
-    at_max = s >= _tie_threshold(r_m, cfg)[:, None]
+    pol = cfg.policy
+    if pol.tie_test == "paper":
+        threshold = round_to(r_m - 1e-3, pol.lp_dtype)
+    else:
+        # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
+        # ⟺  x ≥ log(1 − eps/4), i.e. S ≥ r_m + log(1 − eps/4): a compare instead of an exp per entry.
+        # The threshold is rounded to FP32 once per row, so it may admit the one FP32 value just below
+        # the exact boundary (S − r_m is exact there, Sterbenz): a near-tie 2⁻⁹ below the max.
+        eps = float(jnp.finfo(pol.tie_dtype).eps)
+        threshold = r_m + _log(1.0 - eps / 4.0, pol)
+    # a row with nothing unmasked (r_m = −inf) has no ties: −inf ≥ −inf must not count its −inf entries
+    threshold = jnp.where(r_m == NEG_INF, jnp.inf, threshold)
+    at_max = s >= threshold[:, None]
     if mask is not None:
         at_max = mask & at_max
     if cfg.tie_count_int:
         return jnp.sum(at_max.astype(jnp.int32), axis=1)
     return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
-
-
-# Column chunk of ``top2_chunks``: 8 = one column group of the wgmma register layout (a thread's
-# 2-element vector per row), so that the chunk-wise max/min are in-thread register ops.
-TOP2_WIDTH = 8
-
-
-def top2_chunks(s, width: int | None = None):
-    """Split ``s``'s columns into chunks of ``width`` (gcd with the tile width: any tile works) and
-    return elementwise over the chunks (hi, lo): the largest and the second largest, with
-    multiplicity, of s[:, p], s[:, p + width], … per chunk position p, each ``[bq, width]``; lo is
-    None for a single chunk. A pairwise tree (depth log₂ chunks); max/min are exact, so any order
-    gives the same values. NaN propagates into hi and lo, as into the GPU's row max (``max.NaN``);
-    XLA:CPU's jnp.max drops NaN in wide rows, so there r_m of a row with a NaN score may differ (its
-    ℓ and O are NaN either way)."""
-    width = math.gcd(s.shape[1], TOP2_WIDTH if width is None else width)
-    chunks = [s[:, i:i + width] for i in range(0, s.shape[1], width)]
-    level = [(jnp.maximum(a, b), jnp.minimum(a, b)) for a, b in zip(chunks[0::2], chunks[1::2])]
-    if len(chunks) % 2:
-        level.append((chunks[-1], None))
-    while len(level) > 1:
-        nxt = []
-        for (h1, l1), (h2, l2) in zip(level[0::2], level[1::2]):
-            lo = jnp.minimum(h1, h2)  # the loser of the two maxima, then the better of the seconds
-            for other in (l1, l2):
-                lo = lo if other is None else jnp.maximum(lo, other)
-            nxt.append((jnp.maximum(h1, h2), lo))
-        if len(level) % 2:
-            nxt.append(level[-1])
-        level = nxt
-    return level[0]
-
-
-def ties_from_top2(hi, lo, r_m, cfg: Config):
-    """Per row, ``tie_count(s, None, r_m, cfg) > 1`` from ``top2_chunks(s)``: ≥ 2 entries reach the
-    threshold ⟺ some chunk position has 2 (lo does) or ≥ 2 positions have 1 (hi does), i.e.
-    Σ_p [hi_p ≥ t] + [lo_p ≥ t] ≥ 2 (lo_p ≤ hi_p)."""
-    threshold = _tie_threshold(r_m, cfg)[:, None]
-    one, two = (1, 2) if cfg.tie_count_int else (1.0, 2.0)
-    zero = 0 if cfg.tie_count_int else 0.0
-    if lo is None:
-        n = jnp.where(hi >= threshold, one, zero)
-    else:
-        n = jnp.where(hi >= threshold, jnp.where(lo >= threshold, two, one), zero)
-    return jnp.sum(n, axis=1) > 1
-
-
-def tied_rows(s, mask, r_m, cfg: Config):
-    """Per row, whether ≥ 2 unmasked entries are at the max r_m (``tie_count > 1``; under
-    ``cfg.tie_top2`` by ``top2_chunks`` — the same decisions, masked entries as −inf, except where
-    the threshold overflows to −inf: "paper" with an FP32 r_m below −3.396e38, no BF16 score)."""
-    if not cfg.tie_top2:
-        return tie_count(s, mask, r_m, cfg) > 1
-    if mask is not None:
-        s = jnp.where(mask, s, NEG_INF)
-    return ties_from_top2(*top2_chunks(s), r_m, cfg)
 
 
 def floor_positive(y):
@@ -270,7 +204,7 @@ def floor_positive(y):
     return jnp.where(y >= 2.0 ** 23, y, y.astype(jnp.int32).astype(jnp.float32))
 
 
-def stable_shift(s, mask, r_m, cfg: Config, tied=None):
+def stable_shift(s, mask, r_m, cfg: Config):
     """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
 
     Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
@@ -281,12 +215,10 @@ def stable_shift(s, mask, r_m, cfg: Config, tied=None):
     is rounded to BF16 for P̄·V while ℓ sums it unrounded, so O carries the factor bf16(P̄)/P̄ — a
     dither while the offset varies with r_m, as (β − 1)·r_m does, but a bias of up to ±2⁻⁹ in every
     guarded row if the offset were fixed (the earlier cap at r_m + 20 nats: +2.5e-3 relative;
-    docs/NUMERICS.md). Folding keeps it varying with r_m. ``tied``: ``tied_rows``, where the
-    caller has it already (``s`` and ``mask`` are then unused).
+    docs/NUMERICS.md). Folding keeps it varying with r_m.
     """
     pol = cfg.policy
-    if tied is None:
-        tied = tied_rows(s, mask, r_m, cfg)
+    ties = tie_count(s, mask, r_m, cfg)
     # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
     m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
     target = jnp.where(r_m > 0, round_to(cfg.beta * r_m, m_dtype), 0.0)
@@ -295,7 +227,7 @@ def stable_shift(s, mask, r_m, cfg: Config, tied=None):
     # over mod cap/2 with a multiply and floor (the same IEEE operations on every backend)
     folded = cap / 2 + (over - floor_positive(over * (2.0 / cap)) * (cap / 2))
     shifted = jnp.where(over > 0, round_to(r_m + folded, m_dtype), target)
-    return jnp.where(tied & (r_m != 0), shifted, r_m)
+    return jnp.where((ties > 1) & (r_m != 0), shifted, r_m)
 
 
 def _floor_vs_shift(cfg: Config) -> bool:
@@ -329,15 +261,9 @@ def softmax_update(carry: Carry, s, mask, cfg: Config):
     m_old, l_old, _, m_raw = carry
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
-    if cfg.stable and cfg.tie_top2:
-        # one pass over the entries for both: r_m is the max of the chunks' maxima (max is exact)
-        hi, lo = top2_chunks(s)
-        r_m = jnp.max(hi, axis=1)
-        m_tile = stable_shift(s, None, r_m, cfg, tied=ties_from_top2(hi, lo, r_m, cfg))
-    else:
-        r_m = jnp.max(s, axis=1)
-        # masked entries are −inf in s by now and never reach a tie threshold: no mask needed in the count
-        m_tile = stable_shift(s, None, r_m, cfg) if cfg.stable else r_m
+    r_m = jnp.max(s, axis=1)
+    # masked entries are −inf in s by now and never reach a tie threshold: no mask needed in the count
+    m_tile = stable_shift(s, None, r_m, cfg) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
     floor_vs_shift = _floor_vs_shift(cfg)
     if floor_vs_shift:

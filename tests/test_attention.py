@@ -315,47 +315,6 @@ def test_tie_count_int_is_the_same_arithmetic(rng, policy, causal, tiles, extra)
     assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "tie_count_int": True}))
 
 
-@pytest.mark.parametrize("policy,causal,tiles,extra", [
-    ("fa2", True, (16, 16), {}), ("fa2", True, (32, 16), {"split_diagonal": True, "prefetch_scores": True}),
-    ("fa2", False, (16, 32), {"tie_count_int": True}),
-    pytest.param("paper", False, (32, 16), {}, marks=pytest.mark.slow)])
-def test_tie_top2_is_the_same_arithmetic(rng, policy, causal, tiles, extra):
-    """``Config.tie_top2`` (the stable forward decides "≥ 2 ties" from chunk-wise top-2 values) changes
-    no value in the interpreted kernels, on inputs with tied rows."""
-    assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "tie_top2": True}))
-
-
-@pytest.mark.parametrize("policy,causal,tiles", [
-    ("fa2", True, (16, 16)), ("fa2", False, (16, 64)), ("paper", True, (32, 32)), ("fp32", True, (16, 32))])
-def test_tie_top2_is_bitwise_the_same_in_the_jnp_executor(rng, policy, causal, tiles):
-    """``tie_top2`` in the jnp executor: O, L and the gradients bit for bit those of the count, on
-    inputs whose rows tie in one chunk position only (keys 3, 11: chunks of 8), in one chunk (34, 37)
-    and across chunks (40, 57), so that the shift moves rows (stable ≠ unstable there)."""
-    import dataclasses
-
-    from jax_flash import api
-
-    q, k, v = (np.asarray(x, np.float32) for x in tied_inputs(rng, (1, 60, 2, 32)))
-    k[:, 5] = rng.standard_normal(k[:, 5].shape)
-    for c in (11, 34, 37, 40, 57):
-        k[:, c] = k[:, 3]
-    q, k, v = (jnp.asarray(x, BF16) for x in (q, k, v))
-    do = jnp.asarray(rng.standard_normal(q.shape), BF16)
-    outs = {}
-    for stable, top2 in ((True, False), (True, True), (False, False)):
-        cfg, _ = api._make_config(q, k, v, causal=causal, stable=stable, beta=2.0, sm_scale=None,
-                                  policy=policy, delta="o", impl="jnp", block_q=tiles[0],
-                                  block_k=tiles[1])
-        c = dataclasses.replace(cfg, tie_top2=top2)
-        o, vjp = jax.vjp(lambda q, k, v, c=c: api._attention(q, k, v, c, "jnp"), q, k, v)
-        outs[stable, top2] = [np.asarray(x, np.float32)
-                              for x in (o, *vjp(do), api._forward(q, k, v, c, "jnp")[2])]
-    for name, a, b in zip(("O", "dQ", "dK", "dV", "L"), outs[True, False], outs[True, True]):
-        np.testing.assert_array_equal(a, b, err_msg=name)
-    # the ties did move shifts: some bits differ from the unshifted forward
-    assert any(np.any(a != b) for a, b in zip(outs[True, False], outs[False, False]))
-
-
 def test_dq_launch_and_block_reach_the_dq_kernel_only(monkeypatch):
     """The dQ kernel takes ``dq_launch`` / ``dq_block`` where set, the dK/dV kernel keeps
     ``bwd_launch`` / ``bwd_block``: grids and the launch each pallas_call is built with."""

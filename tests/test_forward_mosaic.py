@@ -244,25 +244,6 @@ def test_interpreted_tie_count_int_same_values(rng):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block_k", [64, 128])
-def test_interpreted_tie_top2_same_values(rng, block_k):
-    """``tie_top2`` (≥ 2 ties from chunk-wise top-2 values, r_m from their maxima) inside the kernel:
-    bitwise the same O and L as the count, on rows tied in one chunk position only (keys 3, 11 and
-    130, 138: chunks of 8), in one chunk (200, 203) and across chunks (70, 100)."""
-    import dataclasses
-
-    shape = (1, 256, 1, 64)
-    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 11), (70, 100), (130, 138), (200, 203)))
-    cfg = make_cfg(256, 64, stable=True, block_k=block_k)
-    o_f, l_f = _interpreted(q, k, v, cfg)
-    o_t, l_t = _interpreted(q, k, v, dataclasses.replace(cfg, tie_top2=True))
-    np.testing.assert_array_equal(o_t, o_f)
-    np.testing.assert_array_equal(l_t, l_f)
-    o_b, _ = _interpreted(q, k, v, make_cfg(256, 64, stable=False, block_k=block_k))
-    assert np.any(o_f != o_b)  # the ties moved shifts
-
-
-@needs_interpreter
 def test_static_op_counts_see_the_tie_count():
     """experiments.mosaic_ops catches the kernel's per-thread module: the stable shift adds compares,
     selects and adds to it, and ``tie_count_int`` turns the count's selects into i1→i32 extensions
@@ -278,21 +259,6 @@ def test_static_op_counts_see_the_tie_count():
     assert as_int["arith.extui"] > stable["arith.extui"]
     assert as_int["arith.select"] < stable["arith.select"]
     assert as_int["arith.addi"] > stable["arith.addi"] and as_int["arith.addf"] < stable["arith.addf"]
-
-
-@needs_interpreter
-def test_static_op_counts_see_tie_top2():
-    """``tie_top2`` lowers for CUDA at both key tiles (static column slices of the wgmma-layout
-    scores): the per-entry compares and selects of the count give way to max/min (inline PTX
-    ``max.NaN`` / ``min.NaN``, one per element) on 8-column chunks."""
-    from experiments import mosaic_ops
-
-    shape = (1, 256, 1, 64)
-    for suffix in ("", "-k128"):
-        stable, top2 = (mosaic_ops.op_counts(shape, **mosaic_ops.VARIANTS[n + suffix])
-                        for n in ("stable", "stable+top2"))
-        assert top2["arith.cmpf"] < stable["arith.cmpf"] and top2["arith.select"] < stable["arith.select"]
-        assert top2["llvm.inline_asm"] > stable["llvm.inline_asm"]
 
 
 def test_ab_mosaic_variant_selects_only_itself(monkeypatch):
