@@ -112,9 +112,10 @@ def smi_summary(path: str, busy_watts: float = 300.0) -> dict:
     with opener(path, "rt") as f:
         rows = [[c.strip() for c in r] for r in csv.reader(f)]
     head, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
-    col = lambda word: next(i for i, h in enumerate(head) if word in h)
-    sm, pw, why = col("clocks.current.sm" if any("current.sm" in h for h in head) else "clocks.sm"), \
-        col("power.draw"), col("reasons.active")
+    col = lambda test: next(i for i, h in enumerate(head) if test(h))
+    # nvidia-smi names the clocks.sm column "clocks.current.sm [MHz]"
+    sm = col(lambda h: h.startswith("clocks.") and h.split(" ")[0].endswith(".sm"))
+    pw, why = col(lambda h: h.startswith("power.draw")), col(lambda h: "reasons.active" in h)
     num = lambda x: float(x.split()[0])
     busy = [r for r in body if num(r[pw]) > busy_watts]
     if not busy:
