@@ -154,3 +154,28 @@ def test_no_kernel_blocks_is_an_error(tmp_path):
     f = tmp_path / "empty.csv"
     f.write_text("==ERROR== no source page\n")
     assert ns.main([str(f)]) == 1
+
+
+def test_compare_per_opcode(tmp_path, capsys):
+    """--against: per-opcode executed instructions and samples, base → new, largest change first,
+    and per entry of a reference opcode (--per)."""
+    base = {"k": [(0x10, "MUFU.EX2 R1, R2", 5, 100, 0, 0, 5, 0), (0x20, "FADD R1, R2, R3", 4, 100, 0, 0, 4, 0),
+                  (0x30, "FMNMX R1, R2, R3, !PT", 2, 100, 0, 0, 2, 0)]}
+    new = {"k": [(0x10, "MUFU.EX2 R1, R2", 6, 100, 0, 0, 6, 0), (0x20, "FADD R1, R2, R3", 9, 200, 0, 0, 9, 0),
+                 (0x30, "FSET.BF.GE.AND R4, R5, R6, PT", 3, 100, 0, 0, 3, 0),
+                 (0x40, "@P0 FADD R1, R2, R3", 1, 50, 0, 0, 1, 0)]}
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv.gz"
+    a.write_text(export_text(base))
+    b.write_bytes(gzip.compress(export_text(new).encode()))
+    totals = ns.opcode_totals(ns.parse(export_text(new))[0])
+    assert totals["FADD"] == (250, 10)  # the predicated FADD is the same opcode
+    md = tmp_path / "d.md"
+    assert ns.main([str(b), "--against", str(a), "--per", "MUFU.EX2", "--md", str(md)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "k: executed 300 → 450 (+50.0 %), samples 11 → 19 (+72.7 %)"
+    rows = [r for r in out.splitlines() if r.startswith("| `")]
+    assert rows[0] == "| `FADD` | 100 | 250 | +150 | 1.000 | 2.500 | +1.500 | 4 | 10 | +6 |"
+    assert rows[1].startswith("| `FMNMX` | 100 | 0 | -100 |") and rows[2].startswith("| `FSET.BF.GE.AND` | 0 | 100 | +100 |")
+    assert "| **all** | 300 | 450 | +150 | 3.000 | 4.500 | +1.500 | 11 | 19 | +8 |" in out
+    assert md.read_text().startswith("# Per opcode: a.csv → b.csv.gz")
+    assert ns.main([str(b), "--against", str(a), "--per", "HGMMA.64x64x16.F32.BF16"]) == 1  # not in either

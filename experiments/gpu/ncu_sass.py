@@ -5,6 +5,12 @@ stall samples, their reasons, the instruction groups they sit on (cp.async, shar
 wgmma wait, MUFU, ...), which groups carry each of the top reasons, and the top-N instructions.
 
     python -m experiments.gpu.ncu_sass FILE.csv[.gz] [--top N] [--md OUT.md]
+    python -m experiments.gpu.ncu_sass FILE.csv[.gz] --against BASE.csv[.gz] [--per MUFU.EX2]
+
+``--against``: what a variant adds, per opcode — executed (warp-level) instructions and stall samples
+of the first kernel of each file side by side, largest change first; ``--per OPCODE`` also divides
+the executed counts by that opcode's (e.g. ``MUFU.EX2``, one per score entry in our forward: the
+change as instructions per entry).
 
 Reading it: a sample is charged to the instruction the warp is *waiting to issue*, so a stall on an
 instruction is a wait for something before it (a long-scoreboard stall on ``BAR.SYNC`` after
@@ -199,20 +205,72 @@ def report(kernels: list[Kernel], top: int = 15, reasons_shown: int = 6) -> str:
     return "\n".join(out)
 
 
+def opcode_totals(k: Kernel) -> dict[str, tuple[int, int]]:
+    """opcode → (executed warp-level instructions, stall samples), summed over the kernel."""
+    out: dict[str, tuple[int, int]] = {}
+    for i in k.instrs:
+        e, s = out.get(i.opcode, (0, 0))
+        out[i.opcode] = (e + i.executed, s + i.samples)
+    return out
+
+
+def compare(base: Kernel, new: Kernel, per: str | None = None, rows: int = 25) -> str:
+    """Per opcode, base vs new: executed instructions and samples, largest |Δ executed| first."""
+    a, b = opcode_totals(base), opcode_totals(new)
+    unit = (a.get(per, (0, 0))[0], b.get(per, (0, 0))[0]) if per else None
+    if per and not all(unit):
+        raise ValueError(f"--per {per}: the opcode is not executed in both kernels")
+    ex_a, ex_b = sum(e for e, _ in a.values()), sum(e for e, _ in b.values())
+    sm_a, sm_b = base.total, new.total
+
+    def per_unit(e_a, e_b):
+        return f" | {e_a / unit[0]:.3f} | {e_b / unit[1]:.3f} | {e_b / unit[1] - e_a / unit[0]:+.3f}" if unit else ""
+
+    extra = f" | per {per}, base | new | Δ" if per else ""
+    out = [f"{new.name}: executed {ex_a:,} → {ex_b:,} ({_delta(ex_a, ex_b)}), samples {sm_a:,} → {sm_b:,} "
+           f"({_delta(sm_a, sm_b)})", "",
+           f"| opcode | executed, base | new | Δ{extra} | samples, base | new | Δ |",
+           "|---|---:|---:|---:|" + ("---:|---:|---:|" if per else "") + "---:|---:|---:|"]
+    ops = sorted(set(a) | set(b), key=lambda o: (-abs(b.get(o, (0, 0))[0] - a.get(o, (0, 0))[0]), o))
+    for o in ops[:rows]:
+        (ea, sa), (eb, sb) = a.get(o, (0, 0)), b.get(o, (0, 0))
+        out.append(f"| `{o}` | {ea:,} | {eb:,} | {eb - ea:+,}{per_unit(ea, eb)} | {sa:,} | {sb:,} | {sb - sa:+,} |")
+    if len(ops) > rows:
+        rest = ops[rows:]
+        ea, eb = sum(a.get(o, (0, 0))[0] for o in rest), sum(b.get(o, (0, 0))[0] for o in rest)
+        sa, sb = sum(a.get(o, (0, 0))[1] for o in rest), sum(b.get(o, (0, 0))[1] for o in rest)
+        out.append(f"| {len(rest)} others | {ea:,} | {eb:,} | {eb - ea:+,}{per_unit(ea, eb)} | {sa:,} | {sb:,} | {sb - sa:+,} |")
+    out.append(f"| **all** | {ex_a:,} | {ex_b:,} | {ex_b - ex_a:+,}{per_unit(ex_a, ex_b)} | {sm_a:,} | {sm_b:,} | {sm_b - sm_a:+,} |")
+    return "\n".join(out) + "\n"
+
+
+def _delta(a: int, b: int) -> str:
+    return f"{100 * (b - a) / a:+.1f} %" if a else "–"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("file", help="ncu source-page CSV export (.csv or .csv.gz)")
     ap.add_argument("--top", type=int, default=15, help="instructions listed per kernel")
     ap.add_argument("--md", help="also write the report to this markdown file")
+    ap.add_argument("--against", help="a base export: per-opcode changes from its first kernel to FILE's")
+    ap.add_argument("--per", help="with --against: executed counts also per this opcode's (e.g. MUFU.EX2)")
     a = ap.parse_args(argv)
     kernels = parse(read_text(a.file))
-    if not kernels:
-        print(f"no 'Kernel Name' blocks in {a.file}", file=sys.stderr)
+    base = parse(read_text(a.against)) if a.against else None
+    if not kernels or base == []:
+        print(f"no 'Kernel Name' blocks in {a.file if not kernels else a.against}", file=sys.stderr)
         return 1
-    text = report(kernels, a.top)
+    try:
+        text = compare(base[0], kernels[0], a.per, max(a.top, 1)) if base else report(kernels, a.top)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
     print(text)
     if a.md:
-        Path(a.md).write_text(f"# Warp stalls per instruction: {Path(a.file).name}\n\n{text}")
+        title = (f"Per opcode: {Path(a.against).name} → {Path(a.file).name}" if base
+                 else f"Warp stalls per instruction: {Path(a.file).name}")
+        Path(a.md).write_text(f"# {title}\n\n{text}")
     return 0
 
 
