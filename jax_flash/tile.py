@@ -82,11 +82,6 @@ class Config:
     # the same counts (small integers are exact in both); which compiles to fewer instructions per
     # score entry is for the GPU to say (docs/PERF_NOTES.md, "Next levers after the eleventh session").
     tie_count_int: bool = False
-    # The stable shift's "≥ 2 ties" test as a sum of int32 masks (−1 per tie) compared with −2 (tuning
-    # field "tie_count_mask"): the same decisions; written so that a compare can produce its mask in
-    # one instruction and three-input integer adds can take two entries each (the float count is a
-    # compare and an add per entry: docs/PERF_NOTES.md, "The k128 stable forward's SASS").
-    tie_count_mask: bool = False
 
     @property
     def score_scale(self) -> float:
@@ -182,14 +177,6 @@ def tie_count(s, mask, r_m, cfg: Config):
     Both are one compare per entry against a per-row threshold: the count is the stable forward's
     only per-entry extra work (docs/PERF_NOTES.md v8).
     """
-    at_max = _at_max(s, mask, r_m, cfg)
-    if cfg.tie_count_int:
-        return jnp.sum(at_max.astype(jnp.int32), axis=1)
-    return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
-
-
-def _at_max(s, mask, r_m, cfg: Config):
-    """The entries ``tie_count`` counts (bool, like ``s``)."""
     pol = cfg.policy
     if pol.tie_test == "paper":
         threshold = round_to(r_m - 1e-3, pol.lp_dtype)
@@ -203,15 +190,11 @@ def _at_max(s, mask, r_m, cfg: Config):
     # a row with nothing unmasked (r_m = −inf) has no ties: −inf ≥ −inf must not count its −inf entries
     threshold = jnp.where(r_m == NEG_INF, jnp.inf, threshold)
     at_max = s >= threshold[:, None]
-    return at_max if mask is None else mask & at_max
-
-
-def has_ties(s, mask, r_m, cfg: Config):
-    """Per row, whether ``tie_count`` is ≥ 2 (bool [rows]): the stable shift's only use of the count."""
-    if cfg.tie_count_mask:
-        # −1 per tie, compared with −2: no negation for the compiler to fold back into 0/1 values
-        return jnp.sum(jnp.where(_at_max(s, mask, r_m, cfg), -1, 0).astype(jnp.int32), axis=1) < -1
-    return tie_count(s, mask, r_m, cfg) > 1
+    if mask is not None:
+        at_max = mask & at_max
+    if cfg.tie_count_int:
+        return jnp.sum(at_max.astype(jnp.int32), axis=1)
+    return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
 
 
 def floor_positive(y):
@@ -235,7 +218,7 @@ def stable_shift(s, mask, r_m, cfg: Config):
     docs/NUMERICS.md). Folding keeps it varying with r_m.
     """
     pol = cfg.policy
-    ties = has_ties(s, mask, r_m, cfg)
+    ties = tie_count(s, mask, r_m, cfg)
     # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
     m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
     target = jnp.where(r_m > 0, round_to(cfg.beta * r_m, m_dtype), 0.0)
@@ -244,7 +227,7 @@ def stable_shift(s, mask, r_m, cfg: Config):
     # over mod cap/2 with a multiply and floor (the same IEEE operations on every backend)
     folded = cap / 2 + (over - floor_positive(over * (2.0 / cap)) * (cap / 2))
     shifted = jnp.where(over > 0, round_to(r_m + folded, m_dtype), target)
-    return jnp.where(ties & (r_m != 0), shifted, r_m)
+    return jnp.where((ties > 1) & (r_m != 0), shifted, r_m)
 
 
 def _floor_vs_shift(cfg: Config) -> bool:

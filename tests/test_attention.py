@@ -315,15 +315,6 @@ def test_tie_count_int_is_the_same_arithmetic(rng, policy, causal, tiles, extra)
     assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "tie_count_int": True}))
 
 
-@pytest.mark.parametrize("policy,causal,tiles,extra", [
-    ("fa2", True, (16, 16), {}), ("fa2", True, (32, 16), {"split_diagonal": True, "prefetch_scores": True}),
-    pytest.param("paper", False, (32, 16), {}, marks=pytest.mark.slow)])
-def test_tie_count_mask_is_the_same_arithmetic(rng, policy, causal, tiles, extra):
-    """``Config.tie_count_mask`` (the "≥ 2 ties" test on a sum of −1 masks) changes no value on
-    inputs with tied rows."""
-    assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "tie_count_mask": True}))
-
-
 def test_dq_launch_and_block_reach_the_dq_kernel_only(monkeypatch):
     """The dQ kernel takes ``dq_launch`` / ``dq_block`` where set, the dK/dV kernel keeps
     ``bwd_launch`` / ``bwd_block``: grids and the launch each pallas_call is built with."""
