@@ -179,3 +179,31 @@ def test_compare_per_opcode(tmp_path, capsys):
     assert "| **all** | 300 | 450 | +150 | 3.000 | 4.500 | +1.500 | 11 | 19 | +8 |" in out
     assert md.read_text().startswith("# Per opcode: a.csv → b.csv.gz")
     assert ns.main([str(b), "--against", str(a), "--per", "HGMMA.64x64x16.F32.BF16"]) == 1  # not in either
+
+
+def test_main_loop_and_reason_deltas(tmp_path, capsys):
+    """--loop keeps the instructions whose execution count carries the most executed instructions
+    (not the most-executed one: a two-instruction spin loop), and the reason table follows."""
+    def kernel(extra_fadd):
+        rows = [(0x10, "LDC R1, c[0x0][0x28]", 1, 8, 0, 0, 1, 0),            # once per warp
+                (0x20, "BRA 0x10", 50, 250, 0, 50, 0, 0),                     # spin: most executed
+                (0x30, "MUFU.EX2 R1, R2", 5, 100, 0, 0, 2, 3),                # the loop: 100 each
+                (0x40, "FMNMX R1, R2, R3, !PT", 2, 100, 0, 0, 2, 0),
+                (0x50, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", 4, 100, 0, 0, 1, 3)]
+        if extra_fadd:
+            rows.append((0x60, "FADD R1, R2, R3", 6, 100, 0, 0, 2, 4))
+        return {"k": rows}
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text(export_text(kernel(False)))
+    b.write_text(export_text(kernel(True)))
+    loop = ns.main_loop(ns.parse(export_text(kernel(True)))[0])
+    assert [i.opcode.split(".")[0] for i in loop.instrs] == ["MUFU", "FMNMX", "HGMMA", "FADD"]
+    assert "100 executions each" in loop.name
+    assert ns.main([str(b), "--against", str(a), "--loop", "--per", "MUFU.EX2"]) == 0
+    out = capsys.readouterr().out
+    assert "BRA" not in out and "LDC" not in out
+    assert "| **all** | 300 | 400 | +100 | 3.000 | 4.000 | +1.000 | 11 | 17 | +6 |" in out
+    assert "| wait | 6 | 10 | +4 |" in out and "| selected | 5 | 7 | +2 |" in out
+    assert out.index("| wait |") < out.index("| selected |")  # largest increase first
+    assert ns.main([str(b), "--against", str(a)]) == 0
+    assert "| `BRA` | 250 | 250 | +0 |" in capsys.readouterr().out  # without --loop: every instruction

@@ -5,12 +5,13 @@ stall samples, their reasons, the instruction groups they sit on (cp.async, shar
 wgmma wait, MUFU, ...), which groups carry each of the top reasons, and the top-N instructions.
 
     python -m experiments.gpu.ncu_sass FILE.csv[.gz] [--top N] [--md OUT.md]
-    python -m experiments.gpu.ncu_sass FILE.csv[.gz] --against BASE.csv[.gz] [--per MUFU.EX2]
+    python -m experiments.gpu.ncu_sass FILE.csv[.gz] --against BASE.csv[.gz] [--per MUFU.EX2] [--loop]
 
 ``--against``: what a variant adds, per opcode — executed (warp-level) instructions and stall samples
-of the first kernel of each file side by side, largest change first; ``--per OPCODE`` also divides
-the executed counts by that opcode's (e.g. ``MUFU.EX2``, one per score entry in our forward: the
-change as instructions per entry).
+of the first kernel of each file side by side, largest change first, then samples per stall reason;
+``--per OPCODE`` also divides the executed counts by that opcode's (e.g. ``MUFU.EX2``, one per score
+entry in our forward: the change as instructions per entry); ``--loop`` compares the main loops only
+(the instructions sharing the execution count that carries the most executed instructions).
 
 Reading it: a sample is charged to the instruction the warp is *waiting to issue*, so a stall on an
 instruction is a wait for something before it (a long-scoreboard stall on ``BAR.SYNC`` after
@@ -214,8 +215,19 @@ def opcode_totals(k: Kernel) -> dict[str, tuple[int, int]]:
     return out
 
 
+def main_loop(k: Kernel) -> Kernel:
+    """The instructions of the kernel's main loop: those sharing the execution count that carries the
+    most executed instructions (straight-line code runs once per warp; a spin loop has few instructions)."""
+    by_count: dict[int, int] = {}
+    for i in k.instrs:
+        by_count[i.executed] = by_count.get(i.executed, 0) + i.executed
+    hot = max(by_count, key=by_count.get) if by_count else 0
+    return Kernel(f"{k.name} (main loop: {hot:,} executions each)", [i for i in k.instrs if i.executed == hot])
+
+
 def compare(base: Kernel, new: Kernel, per: str | None = None, rows: int = 25) -> str:
-    """Per opcode, base vs new: executed instructions and samples, largest |Δ executed| first."""
+    """Per opcode, base vs new: executed instructions and samples, largest |Δ executed| first; then
+    the samples per stall reason."""
     a, b = opcode_totals(base), opcode_totals(new)
     unit = (a.get(per, (0, 0))[0], b.get(per, (0, 0))[0]) if per else None
     if per and not all(unit):
@@ -241,6 +253,10 @@ def compare(base: Kernel, new: Kernel, per: str | None = None, rows: int = 25) -
         sa, sb = sum(a.get(o, (0, 0))[1] for o in rest), sum(b.get(o, (0, 0))[1] for o in rest)
         out.append(f"| {len(rest)} others | {ea:,} | {eb:,} | {eb - ea:+,}{per_unit(ea, eb)} | {sa:,} | {sb:,} | {sb - sa:+,} |")
     out.append(f"| **all** | {ex_a:,} | {ex_b:,} | {ex_b - ex_a:+,}{per_unit(ex_a, ex_b)} | {sm_a:,} | {sm_b:,} | {sm_b - sm_a:+,} |")
+    ra, rb = base.reason_totals(), new.reason_totals()
+    out += ["", "| stall reason | samples, base | new | Δ |", "|---|---:|---:|---:|"]
+    for r in sorted(set(ra) | set(rb), key=lambda r: (-(rb.get(r, 0) - ra.get(r, 0)), r)):
+        out.append(f"| {r} | {ra.get(r, 0):,} | {rb.get(r, 0):,} | {rb.get(r, 0) - ra.get(r, 0):+,} |")
     return "\n".join(out) + "\n"
 
 
@@ -255,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", help="also write the report to this markdown file")
     ap.add_argument("--against", help="a base export: per-opcode changes from its first kernel to FILE's")
     ap.add_argument("--per", help="with --against: executed counts also per this opcode's (e.g. MUFU.EX2)")
+    ap.add_argument("--loop", action="store_true", help="with --against: the main loops only (main_loop)")
     a = ap.parse_args(argv)
     kernels = parse(read_text(a.file))
     base = parse(read_text(a.against)) if a.against else None
@@ -262,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no 'Kernel Name' blocks in {a.file if not kernels else a.against}", file=sys.stderr)
         return 1
     try:
-        text = compare(base[0], kernels[0], a.per, max(a.top, 1)) if base else report(kernels, a.top)
+        pick = main_loop if a.loop else (lambda k: k)
+        text = compare(pick(base[0]), pick(kernels[0]), a.per, max(a.top, 1)) if base else report(kernels, a.top)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 1
