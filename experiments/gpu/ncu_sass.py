@@ -177,11 +177,11 @@ def report(kernels: list[Kernel], top: int = 15, reasons_shown: int = 6) -> str:
     for k in kernels:
         t, base = k.total, (k.instrs[0].address if k.instrs else 0)
         rt = k.reason_totals()
-        hot = max((i.executed for i in k.instrs), default=0)
-        in_loop = sum(i.samples for i in k.instrs if hot and i.executed == hot)
+        loop = main_loop(k)
+        hot = loop.instrs[0].executed if loop.instrs else 0
         head = (f"{t} samples over {len(k.instrs)} instructions, {t - rt.get('selected', 0)} of "
-                f"them not issued; {_pct(in_loop, t)} on the most-executed instructions "
-                f"({hot} executions each: the main loop).")
+                f"them not issued; {_pct(loop.total, t)} in the main loop ({len(loop.instrs)} "
+                f"instructions, {hot} executions each).")
         out += [f"## {k.name}", "", head, "",
                 "| reason | samples | share |", "|---|---:|---:|"]
         out += [f"| {r} | {v} | {_pct(v, t)} |" for r, v in rt.items()]
@@ -235,8 +235,12 @@ def compare(base: Kernel, new: Kernel, per: str | None = None, rows: int = 25) -
     ex_a, ex_b = sum(e for e, _ in a.values()), sum(e for e, _ in b.values())
     sm_a, sm_b = base.total, new.total
 
-    def per_unit(e_a, e_b):
-        return f" | {e_a / unit[0]:.3f} | {e_b / unit[1]:.3f} | {e_b / unit[1] - e_a / unit[0]:+.3f}" if unit else ""
+    def row(label, ops):
+        ea, eb = sum(a.get(o, (0, 0))[0] for o in ops), sum(b.get(o, (0, 0))[0] for o in ops)
+        sa, sb = sum(a.get(o, (0, 0))[1] for o in ops), sum(b.get(o, (0, 0))[1] for o in ops)
+        per_unit = (f" | {ea / unit[0]:.3f} | {eb / unit[1]:.3f} | {eb / unit[1] - ea / unit[0]:+.3f}"
+                    if unit else "")
+        return f"| {label} | {ea:,} | {eb:,} | {eb - ea:+,}{per_unit} | {sa:,} | {sb:,} | {sb - sa:+,} |"
 
     extra = f" | per {per}, base | new | Δ" if per else ""
     out = [f"{new.name}: executed {ex_a:,} → {ex_b:,} ({_delta(ex_a, ex_b)}), samples {sm_a:,} → {sm_b:,} "
@@ -244,15 +248,10 @@ def compare(base: Kernel, new: Kernel, per: str | None = None, rows: int = 25) -
            f"| opcode | executed, base | new | Δ{extra} | samples, base | new | Δ |",
            "|---|---:|---:|---:|" + ("---:|---:|---:|" if per else "") + "---:|---:|---:|"]
     ops = sorted(set(a) | set(b), key=lambda o: (-abs(b.get(o, (0, 0))[0] - a.get(o, (0, 0))[0]), o))
-    for o in ops[:rows]:
-        (ea, sa), (eb, sb) = a.get(o, (0, 0)), b.get(o, (0, 0))
-        out.append(f"| `{o}` | {ea:,} | {eb:,} | {eb - ea:+,}{per_unit(ea, eb)} | {sa:,} | {sb:,} | {sb - sa:+,} |")
+    out += [row(f"`{o}`", [o]) for o in ops[:rows]]
     if len(ops) > rows:
-        rest = ops[rows:]
-        ea, eb = sum(a.get(o, (0, 0))[0] for o in rest), sum(b.get(o, (0, 0))[0] for o in rest)
-        sa, sb = sum(a.get(o, (0, 0))[1] for o in rest), sum(b.get(o, (0, 0))[1] for o in rest)
-        out.append(f"| {len(rest)} others | {ea:,} | {eb:,} | {eb - ea:+,}{per_unit(ea, eb)} | {sa:,} | {sb:,} | {sb - sa:+,} |")
-    out.append(f"| **all** | {ex_a:,} | {ex_b:,} | {ex_b - ex_a:+,}{per_unit(ex_a, ex_b)} | {sm_a:,} | {sm_b:,} | {sm_b - sm_a:+,} |")
+        out.append(row(f"{len(ops) - rows} others", ops[rows:]))
+    out.append(row("**all**", ops))
     ra, rb = base.reason_totals(), new.reason_totals()
     out += ["", "| stall reason | samples, base | new | Δ |", "|---|---:|---:|---:|"]
     for r in sorted(set(ra) | set(rb), key=lambda r: (-(rb.get(r, 0) - ra.get(r, 0)), r)):
