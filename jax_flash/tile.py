@@ -82,6 +82,18 @@ class Config:
     # the same counts (small integers are exact in both); which compiles to fewer instructions per
     # score entry is for the GPU to say (docs/PERF_NOTES.md, "Next levers after the eleventh session").
     tie_count_int: bool = False
+    # The stable shift applied as a per-row factor (tuning field "shift_factor"; FP32-accumulator
+    # policies only): P̄ = exp(S − m_base)·exp(m_base − m_new), with m_base = max(m_old, r_m) the
+    # baseline's shift, instead of exp(S − m_new). Equal in real arithmetic; in FP32 shifted rows differ
+    # by the product's rounding (rows the shift leaves alone: factor 1, the same bits). The exps then no
+    # longer wait for the tie count (docs/PERF_NOTES.md, "v15").
+    shift_factor: bool = False
+
+    def __post_init__(self):
+        pol = self.policy
+        if self.shift_factor and (pol.round_shifted or pol.lp_accumulators or pol.tile_sum_floor):
+            raise ValueError(f"shift_factor needs FP32 accumulators and unrounded exponents; policy "
+                             f"{pol.name!r} has its own rounding points for the shift")
 
     @property
     def score_scale(self) -> float:
@@ -271,8 +283,18 @@ def softmax_update(carry: Carry, s, mask, cfg: Config):
     m_ref = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing unmasked yet: avoid -inf - -inf
     rnd = (lambda x: round_to(x, pol.lp_dtype)) if pol.round_shifted else (lambda x: x)
     alpha = _exp(rnd(m_old - m_ref), pol)
-    p = _exp(rnd(s - m_ref[:, None]), pol)  # masked entries: exp(-inf) = 0
-    tile_sum = jnp.sum(p, axis=1)
+    if cfg.stable and cfg.shift_factor:
+        # exps against the baseline's shift (they need not wait for the tie count), the stable shift
+        # then as a factor ≤ 1 per row: exactly 1 (the same bits) where it moved nothing
+        m_base = jnp.maximum(m_old, r_m)
+        m_base = jnp.where(m_base == NEG_INF, 0.0, m_base)
+        p = _exp(s - m_base[:, None], pol)
+        factor = jnp.where(m_ref != m_base, _exp(m_base - m_ref, pol), 1.0)
+        tile_sum = factor * jnp.sum(p, axis=1)
+        p = p * factor[:, None]
+    else:
+        p = _exp(rnd(s - m_ref[:, None]), pol)  # masked entries: exp(-inf) = 0
+        tile_sum = jnp.sum(p, axis=1)
     if pol.tile_sum_floor:
         # The authors clamp every tile sum; rows with no unmasked entry in the tile are skipped tiles here.
         floored = jnp.maximum(tile_sum, pol.tile_sum_floor)

@@ -12,7 +12,8 @@ forward computes the next key tile's scores before this tile's softmax — all t
 values, see ``tile.Config``; ``fwd_kernel``: ``"mosaic"`` runs the Hopper forward of
 ``forward_mosaic.py``; ``bwd_kernel``: ``"mosaic"`` / ``"mosaic_dkdv"`` the Hopper backward of
 ``backward_mosaic.py`` (both kernels / dK/dV only) — the same rounding points, MMA summation
-orders their own; ``tie_count_int``: the stable forward counts ties in int32 — the same counts). The key tile size changes the numerics (the online-softmax
+orders their own; ``tie_count_int``: the stable forward counts ties in int32 — the same counts; ``shift_factor``: the
+stable shift as a per-row factor after the exps — equal in real arithmetic, see ``tile.Config``). The key tile size changes the numerics (the online-softmax
 rescaling); the tuner keeps "paper" at its 512-wide key tiles.
 """
 
