@@ -46,7 +46,9 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
     """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
     ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike:
     timed one after another, the stable kernel's extra time at 8×2048 read +12.2 % where interleaved
-    runs read +0.8 … +4.0 % (docs/PERF_NOTES.md v9). A fn that fails to compile is logged and left out.
+    runs read +0.8 … +4.0 % (docs/PERF_NOTES.md v9). Odd rounds run the fns in reverse order, so that
+    no fn always follows the same one (docs/PERF_NOTES.md "v15": in the fixed order the 4×8192 stable
+    extra read +10 % per call where A/Bs read +5 %). A fn that fails to compile is logged and left out.
 
     ``sync="call"``: every call is a sample, waited for on its own (``rounds × reps`` samples; each
     includes the per-call dispatch and sync, ~0.18 ms on the H200 host: PERF_NOTES v9 profile).
@@ -68,8 +70,10 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
             continue
         ready[name] = f
     times = {name: [] for name in ready}
-    for _ in range(rounds):
-        for name, f in ready.items():
+    for r in range(rounds):
+        # odd rounds in reverse order (A B … B A): what runs right after a heavy neighbour, or early in
+        # a round on a GPU the previous round left hot, changes from round to round
+        for name, f in (reversed(ready.items()) if r % 2 else ready.items()):
             args = arg_of[name]
             if sync == "round":
                 t0 = time.perf_counter()
