@@ -5,6 +5,7 @@
         [--entries FILE.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd] [--rounds 5] [--reps 10]
         [--out FILE.json]                               # on the GPU (carry build/ab)
     python -m bench.ab table FILE.json [...]            # markdown table of runs
+    python -m bench.ab ratio FILE.json [--variant new:stable] [--base new]  # paired per-round ratio
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``mosaic`` (the working
 tree with our Mosaic GPU forward, jax_flash/pallas/forward_mosaic.py, selected while the variant is
@@ -144,7 +145,8 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
         for pss in passes:
             fns = {spec: _jax_pass(_attention_fn(spec, modules, entries, causal, policy), pss)
                    for spec in variants}
-            ms = timed_interleaved(fns, args, reps, rounds, sync=sync,
+            per_round = {}
+            ms = timed_interleaved(fns, args, reps, rounds, sync=sync, per_round=per_round,
                                    log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
             first = next(iter(ms.values()), None)
             for spec in ms:
@@ -156,7 +158,8 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
                     stable=None if version in ("cudnn", "mgpu") else stable, variant=spec,
                     shape=list(shape), causal=causal, **{"pass": pss}, ms=ms[spec],
                     tflops=pass_flops(shape, causal, pss) / ms[spec] / 1e9,
-                    jax_version=jax.__version__, device=jax.devices()[0].device_kind, sync=sync))
+                    jax_version=jax.__version__, device=jax.devices()[0].device_kind, sync=sync,
+                    rounds_ms=per_round[spec]))
                 log(f"{'x'.join(map(str, shape))} {pss} {spec:>24}: {ms[spec]:8.3f} ms  "
                     f"×{ms[spec] / first:.3f} of {next(iter(ms))}")
             if out:  # after every case, so a cut-off run keeps what it measured
@@ -188,6 +191,33 @@ def markdown(runs):
     return "\n".join(lines) + "\n"
 
 
+def paired_ratio(records, variant, base, shape, pss, n_boot=10000, seed=0):
+    """``variant``'s time over ``base``'s, paired by round (the same round of an interleaved run ran
+    both on the same GPU state): (median of the per-round ratios, its 90 % bootstrap interval, rounds).
+    Needs records with ``rounds_ms`` (bench.ab run since the fifteenth session)."""
+    got = {r["variant"]: r["rounds_ms"] for r in records
+           if tuple(r["shape"]) == tuple(shape) and r["pass"] == pss and "rounds_ms" in r}
+    if variant not in got or base not in got:
+        raise KeyError(f"no per-round times for {variant!r} and {base!r} at {shape} {pss}")
+    ratios = np.asarray(got[variant]) / np.asarray(got[base])
+    boot = np.random.default_rng(seed).choice(ratios, (n_boot, len(ratios)))
+    lo, hi = np.percentile(np.median(boot, axis=1), [5, 95])
+    return float(np.median(ratios)), (float(lo), float(hi)), len(ratios)
+
+
+def ratio_lines(records, variant, base):
+    """Markdown rows of ``paired_ratio`` for every (shape, pass) of ``records``."""
+    lines = [f"| shape | pass | {variant} / {base}, median of rounds | 90 % interval | rounds |",
+             "|---|---|---|---|---|"]
+    for shape, pss in dict.fromkeys((tuple(r["shape"]), r["pass"]) for r in records):
+        try:
+            med, (lo, hi), n = paired_ratio(records, variant, base, shape, pss)
+        except KeyError:
+            continue
+        lines.append(f"| {'×'.join(map(str, shape))} | {pss} | ×{med:.4f} | ×{lo:.4f} … ×{hi:.4f} | {n} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -206,7 +236,14 @@ def main(argv=None):
                    help="bench.attention.timed_interleaved: wait per call, or once per round of calls")
     t = sub.add_parser("table", help="print the markdown table of result files")
     t.add_argument("files", nargs="+")
+    pr = sub.add_parser("ratio", help="paired per-round ratio of two variants, with a 90 %% interval")
+    pr.add_argument("file")
+    pr.add_argument("--variant", default="new:stable")
+    pr.add_argument("--base", default="new")
     args = ap.parse_args(argv)
+    if args.cmd == "ratio":
+        print(ratio_lines(json.loads(Path(args.file).read_text()), args.variant, args.base), end="")
+        return
     if args.cmd == "prepare":
         print(prepare(args.rev))
         return

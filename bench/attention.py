@@ -42,7 +42,7 @@ def _timed(f, args, reps, sync=jax.block_until_ready, calls=1):
     return float(np.median(times)) * 1e3
 
 
-def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
+def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round=None):
     """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
     ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike:
     timed one after another, the stable kernel's extra time at 8×2048 read +12.2 % where interleaved
@@ -55,7 +55,8 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
     ``sync="round"``: a round's ``reps`` calls are dispatched back to back and waited for once; the
     sample is their mean (``rounds`` samples) — the kernels' throughput, as inside a jitted step.
     ``args``: one tuple for every fn, or a dict name → tuple (e.g. float16 inputs for a kernel that
-    takes no bfloat16)."""
+    takes no bfloat16). ``per_round``: a dict that receives, per fn, each round's ms (the median of
+    its calls, or the round's mean under ``sync="round"``) — paired samples for ``bench.ab ratio``."""
     arg_of = args if isinstance(args, dict) else {name: args for name in fns}
     if sync not in ("call", "round"):
         raise ValueError(f"sync must be 'call' or 'round', got {sync!r}")
@@ -70,6 +71,7 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
             continue
         ready[name] = f
     times = {name: [] for name in ready}
+    rounds_ms = {name: [] for name in ready}
     for r in range(rounds):
         # odd rounds in reverse order (A B … B A): what runs right after a heavy neighbour, or early in
         # a round on a GPU the previous round left hot, changes from round to round
@@ -79,11 +81,15 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call"):
                 t0 = time.perf_counter()
                 jax.block_until_ready([f(*args) for _ in range(reps)])
                 times[name].append((time.perf_counter() - t0) / reps)
+                rounds_ms[name].append(times[name][-1] * 1e3)
                 continue
             for _ in range(reps):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(*args))
                 times[name].append(time.perf_counter() - t0)
+            rounds_ms[name].append(float(np.median(times[name][-reps:])) * 1e3)
+    if per_round is not None:
+        per_round.update(rounds_ms)
     return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 

@@ -5,6 +5,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from bench import ab
@@ -132,6 +133,41 @@ def test_timed_interleaved_round_sync_waits_once_per_round():
     assert events == warm + ["call", "wait"] * 12
     with pytest.raises(ValueError, match="sync"):
         bench.timed_interleaved({"s": sleepy}, (0,), reps=1, rounds=1, sync="never")
+
+
+def test_per_round_times_pair_the_variants(monkeypatch):
+    """``per_round`` receives each round's time per fn (on a fake clock: a fn that takes 2 units
+    against one that takes 1 reads ×2 in every round, in both sync modes), and
+    ``bench.ab.paired_ratio`` turns paired rounds into a median ratio with an interval that holds it;
+    records without per-round times are refused."""
+    from bench import ab
+
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+
+    def takes(seconds):
+        def f(x):
+            now[0] += seconds
+            return x
+        return f
+
+    for sync in ("call", "round"):
+        per_round = {}
+        bench.timed_interleaved({"a": takes(0.004), "b": takes(0.008)}, (jax.numpy.ones(2),),
+                                reps=2, rounds=5, sync=sync, per_round=per_round)
+        assert set(per_round) == {"a", "b"} and all(len(v) == 5 for v in per_round.values())
+        np.testing.assert_allclose(per_round["a"], 4.0)
+        np.testing.assert_allclose(np.asarray(per_round["b"]) / np.asarray(per_round["a"]), 2.0)
+    rng = np.random.default_rng(1)
+    base = 8.0 + rng.normal(0, 0.5, 20)  # a drifting GPU: the pairs share each round's drift
+    records = [dict(variant=v, shape=[4, 8192, 16, 128], **{"pass": "fwd+bwd"}, rounds_ms=list(t))
+               for v, t in (("new", base), ("new:stable", base * 1.025 * (1 + rng.normal(0, 1e-3, 20))))]
+    med, (lo, hi), n = ab.paired_ratio(records, "new:stable", "new", (4, 8192, 16, 128), "fwd+bwd")
+    assert n == 20 and lo <= med <= hi and abs(med - 1.025) < 2e-3 and hi - lo < 4e-3
+    assert "×1.02" in ab.ratio_lines(records, "new:stable", "new")
+    with pytest.raises(KeyError):
+        ab.paired_ratio([{k: v for k, v in r.items() if k != "rounds_ms"} for r in records],
+                        "new:stable", "new", (4, 8192, 16, 128), "fwd+bwd")
 
 
 def test_memory_grows_linearly_for_flash_quadratically_for_xla():
