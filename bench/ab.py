@@ -199,10 +199,10 @@ def paired_ratio(records, variant, base, shape, pss, n_boot=10000, seed=0):
            if tuple(r["shape"]) == tuple(shape) and r["pass"] == pss and "rounds_ms" in r}
     if variant not in got or base not in got:
         raise KeyError(f"no per-round times for {variant!r} and {base!r} at {shape} {pss}")
-    ratios = np.asarray(got[variant]) / np.asarray(got[base])
-    boot = np.random.default_rng(seed).choice(ratios, (n_boot, len(ratios)))
-    lo, hi = np.percentile(np.median(boot, axis=1), [5, 95])
-    return float(np.median(ratios)), (float(lo), float(hi)), len(ratios)
+    from .attention import paired_median
+
+    med, interval = paired_median(got[variant], got[base], n_boot, seed)
+    return med, interval, len(got[variant])
 
 
 def ratio_lines(records, variant, base):

@@ -274,6 +274,12 @@ def test_targets_table_from_records(tmp_path):
     bench.main(["--from-json", str(path), "--md", str(tmp_path / "B.md")])
     md = (tmp_path / "B.md").read_text()
     assert "| 32×1024×12×64 | 0.80× | 1.50× |" in md and "jax x, 2026-01-02" in md
+    # with per-round times the stable extra is paired by round (both variants share each round's
+    # drift, which cancels), read instead of the medians' ratio (+5.0 % here), with a 90 % interval
+    drift = [1.0, 1.0, 1.0, 1.4, 1.4]
+    paired = [dict(r, rounds_ms=[2.0 * d * (1.03 if r["stable"] else 1.0) for d in drift])
+              for r in recs[:2]] + recs[2:]
+    assert "| +3.0 % (+3.0 … +3.0) |" in bench.targets(paired)
 
 
 def test_tune_one_control_flow_on_cpu(monkeypatch):
