@@ -29,9 +29,11 @@ $(STAMP11):
 	$(VENV11)/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" numpy pytest
 	touch $(STAMP11)
 
-# tests/test_forward_mosaic.py under jax 0.11.2: the whole kernel interpreted, races checked
+# tests/test_forward_mosaic.py (and the factor form, tests/test_shift_factor.py) under jax 0.11.2:
+# the whole kernel interpreted, races checked
 test-mosaic: $(STAMP11)
-	$(VENV11)/bin/python -m pytest -q tests/test_forward_mosaic.py tests/test_backward_mosaic.py
+	$(VENV11)/bin/python -m pytest -q tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
+	  tests/test_shift_factor.py
 
 # Every test, slow ones included.
 test-all: $(STAMP)
