@@ -127,13 +127,9 @@ def test_gpu_shift_factor_on_tied_rows(rng):
     """The stable shift as a per-row factor (``Config.shift_factor``), compiled, on rows with tied
     maxima (where the count decides shifts): within a few BF16 ulps of the direct form, as accurate
     against float64, L as the direct form's."""
-    import sys
-    from pathlib import Path
+    from test_forward_mosaic import tied_qkv
 
     from jax_flash.pallas import tuning
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_forward_mosaic import tied_qkv
 
     shape = (1, 2048, 2, 128)
     q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (700, 900)))
