@@ -88,11 +88,6 @@ class Config:
     # by the product's rounding (rows the shift leaves alone: factor 1, the same bits). The exps then no
     # longer wait for the tie count (docs/PERF_NOTES.md, "v15").
     shift_factor: bool = False
-    # Measured in the fifteenth session and not kept (docs/PERF_NOTES.md "v15"), Mosaic GPU forward
-    # only: the factor's multiply only in warps where some row is shifted (a warp vote), and the tie
-    # count as PTX integer masks (set.ge.s32.f32). The same values as without them.
-    shift_factor_vote: bool = False
-    tie_count_asm: bool = False
 
     def __post_init__(self):
         pol = self.policy
@@ -221,7 +216,7 @@ def floor_positive(y):
     return jnp.where(y >= 2.0 ** 23, y, y.astype(jnp.int32).astype(jnp.float32))
 
 
-def stable_shift(s, mask, r_m, cfg: Config, count_ties=None):
+def stable_shift(s, mask, r_m, cfg: Config):
     """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
 
     Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
@@ -235,7 +230,7 @@ def stable_shift(s, mask, r_m, cfg: Config, count_ties=None):
     docs/NUMERICS.md). Folding keeps it varying with r_m.
     """
     pol = cfg.policy
-    ties = (count_ties or tie_count)(s, mask, r_m, cfg)
+    ties = tie_count(s, mask, r_m, cfg)
     # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
     m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
     target = jnp.where(r_m > 0, round_to(cfg.beta * r_m, m_dtype), 0.0)
@@ -270,11 +265,7 @@ def forward_tile_from_scores(carry: Carry, s, v, mask, cfg: Config) -> Carry:
     return Carry(m_new, l_new, accumulate(carry.acc, alpha, dot_nn(p_bar, v, pol), pol), m_raw)
 
 
-def _scale_rows(p, factor):
-    return p * factor[:, None]
-
-
-def softmax_update(carry: Carry, s, mask, cfg: Config, scale_rows=_scale_rows, count_ties=None):
+def softmax_update(carry: Carry, s, mask, cfg: Config):
     """The online-softmax part of one tile step, everything but the P̄·V product:
     (m_new, ℓ_new, α, P̄ as the P̄·V operand, m_raw). A kernel that issues P̄·V itself (the Mosaic GPU
     forward's wgmma) finishes with ``accumulate``."""
@@ -284,7 +275,7 @@ def softmax_update(carry: Carry, s, mask, cfg: Config, scale_rows=_scale_rows, c
         s = jnp.where(mask, s, NEG_INF)
     r_m = jnp.max(s, axis=1)
     # masked entries are −inf in s by now and never reach a tie threshold: no mask needed in the count
-    m_tile = stable_shift(s, None, r_m, cfg, count_ties) if cfg.stable else r_m
+    m_tile = stable_shift(s, None, r_m, cfg) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
     floor_vs_shift = _floor_vs_shift(cfg)
     if floor_vs_shift:
@@ -300,7 +291,7 @@ def softmax_update(carry: Carry, s, mask, cfg: Config, scale_rows=_scale_rows, c
         p = _exp(s - m_base[:, None], pol)
         factor = jnp.where(m_ref != m_base, _exp(m_base - m_ref, pol), 1.0)
         tile_sum = factor * jnp.sum(p, axis=1)
-        p = scale_rows(p, factor)
+        p = p * factor[:, None]
     else:
         p = _exp(rnd(s - m_ref[:, None]), pol)  # masked entries: exp(-inf) = 0
         tile_sum = jnp.sum(p, axis=1)

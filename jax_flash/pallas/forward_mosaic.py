@@ -153,12 +153,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: in
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * cfg.score_scale  # tile.scores for "fa2"
             mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, bk, cfg) if masked else None
-            hooks = {}
-            if cfg.shift_factor_vote and not interpret:
-                hooks["scale_rows"] = _scale_rows_in_shifted_warps
-            if cfg.tie_count_asm and not interpret:
-                hooks["count_ties"] = _tie_count_masks
-            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg, **hooks)
+            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg)
             acc = carry.acc * alpha[:, None]  # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
             if PINGPONG:
                 plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
@@ -215,75 +210,6 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: in
     def _produce():
         produce_kv(k_ref, v_ref, batch, head, bk, (k_smem, k_ready, k_free),
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
-
-
-def _tie_count_masks(s, mask, r_m, cfg: Config):
-    """``tile.tie_count`` (the same counts) as −1/0 integer masks from PTX ``set.ge.s32.f32``, summed
-    in int32 (ptxas compiles the set to FSETP + SEL: docs/PERF_NOTES.md "v15")."""
-    import numpy as np
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm, vector
-    from jax.experimental.mosaic import gpu as mgpu
-
-    plgpu = mosaic_common.plgpu()
-    wgmma = plgpu.Layout.WGMMA
-    eps = float(jnp.finfo(cfg.policy.tie_dtype).eps)
-    threshold = r_m + tile._log(1.0 - eps / 4.0, cfg.policy)  # as tile.tie_count ("p_one")
-    threshold = jnp.where(r_m == tile.NEG_INF, jnp.inf, threshold)
-    threshold = jnp.broadcast_to(threshold[:, None], s.shape)
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma),
-                       return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.int32, wgmma))
-    def at_or_above(_, x, t):
-        i32 = ir.IntegerType.get_signless(32)
-        regs = np.empty(x.registers.shape, dtype=object)
-        for idx in np.ndindex(x.registers.shape):
-            xr, tr = x.registers[idx], t.registers[idx]
-            n = ir.VectorType(xr.type).shape[0]
-            lanes = []
-            for i in range(n):
-                pos = ir.DenseI64ArrayAttr.get([i])
-                xi = vector.extract(xr, dynamic_position=[], static_position=pos)
-                ti = vector.extract(tr, dynamic_position=[], static_position=pos)
-                lanes.append(llvm.inline_asm(i32, [xi, ti], "set.ge.s32.f32 $0, $1, $2;", "=r,f,f"))
-            regs[idx] = vector.from_elements(ir.VectorType.get((n,), i32), lanes)
-        return mgpu.FragmentedArray(_registers=regs, _layout=x.layout, _is_signed=True)
-
-    masks = at_or_above(s, threshold)
-    if mask is not None:
-        masks = jnp.where(mask, masks, 0)
-    return -jnp.sum(masks, axis=1)
-
-
-def _warp_any_shifted(factor):
-    """1 in every thread of a warp where some row's factor is not 1, else 0 (vote.sync.any)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, nvvm, vector
-    from jax.experimental.mosaic import gpu as mgpu
-
-    plgpu = mosaic_common.plgpu()
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1),),
-                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, plgpu.Layout.WG_SPLAT(())))
-    def vote(_, f):
-        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-        one, pred = arith.constant(f32, 1.0), None
-        for reg in f.registers.flat:
-            for i in range(ir.VectorType(reg.type).shape[0]):
-                x = vector.extract(reg, dynamic_position=[],
-                                   static_position=ir.DenseI64ArrayAttr.get([i]))
-                ne = arith.cmpf(arith.CmpFPredicate.UNE, x, one)
-                pred = ne if pred is None else arith.ori(pred, ne)
-        any_ = nvvm.vote_sync(arith.constant(i32, -1), pred, "any")
-        return mgpu.FragmentedArray.splat(arith.extui(i32, any_), (), is_signed=True)
-
-    return vote(factor)
-
-
-def _scale_rows_in_shifted_warps(p, factor):
-    """p·factor per row, skipped in warps whose rows all have factor 1 (the same values)."""
-    return lax.switch(_warp_any_shifted(factor), (lambda p, f: p, lambda p, f: p * f[:, None]),
-                      p, factor)
 
 
 def forward_mosaic(q, k, v, cfg: Config, *, o_dtype, interpret=None):
