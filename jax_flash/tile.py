@@ -27,6 +27,7 @@ from .policy import LOG2E, MAX_SHIFT_NATS, Policy
 from .rounding import cast_rounded, round_to, stochastic_round_to
 
 NEG_INF = float("-inf")
+_LOWEST = float(jnp.finfo(jnp.float32).min)  # the lowest finite FP32 value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,17 +191,20 @@ def tie_count(s, mask, r_m, cfg: Config):
     only per-entry extra work (docs/PERF_NOTES.md v8).
     """
     pol = cfg.policy
+    # A row with nothing unmasked (r_m = −inf) has no ties: its −inf entries must not count, so its
+    # threshold is taken from the lowest finite value instead of −inf (one max per row instead of a
+    # compare and a select; every finite r_m keeps its threshold).
     if pol.tie_test == "paper":
-        threshold = round_to(r_m - 1e-3, pol.lp_dtype)
+        # (the lowest value of the BF16 threshold's dtype: FP32's would round to −inf there)
+        threshold = round_to(jnp.maximum(r_m, float(jnp.finfo(pol.lp_dtype).min)) - 1e-3,
+                             pol.lp_dtype)
     else:
         # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
         # ⟺  x ≥ log(1 − eps/4), i.e. S ≥ r_m + log(1 − eps/4): a compare instead of an exp per entry.
         # The threshold is rounded to FP32 once per row, so it may admit the one FP32 value just below
         # the exact boundary (S − r_m is exact there, Sterbenz): a near-tie 2⁻⁹ below the max.
         eps = float(jnp.finfo(pol.tie_dtype).eps)
-        threshold = r_m + _log(1.0 - eps / 4.0, pol)
-    # a row with nothing unmasked (r_m = −inf) has no ties: −inf ≥ −inf must not count its −inf entries
-    threshold = jnp.where(r_m == NEG_INF, jnp.inf, threshold)
+        threshold = jnp.maximum(r_m, _LOWEST) + _log(1.0 - eps / 4.0, pol)
     at_max = s >= threshold[:, None]
     if mask is not None:
         at_max = mask & at_max
@@ -210,13 +214,15 @@ def tie_count(s, mask, r_m, cfg: Config):
 
 
 def floor_positive(y):
-    """floor(y) for y > 0 as a truncation (Mosaic GPU, jax 0.11, has no floor): FP32 values ≥ 2²³
+    """floor(y) for y > 0 as a truncation, the ``floor`` the Mosaic GPU forward passes to
+    ``stable_shift`` (Mosaic GPU, jax 0.11, has no floor; elsewhere one instruction does it, where
+    this takes four per row): FP32 values ≥ 2²³
     are integers already, below that truncation toward zero is floor. Other y: unspecified (the
     caller discards them)."""
     return jnp.where(y >= 2.0 ** 23, y, y.astype(jnp.int32).astype(jnp.float32))
 
 
-def stable_shift(s, mask, r_m, cfg: Config):
+def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor):
     """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
 
     Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
@@ -227,19 +233,26 @@ def stable_shift(s, mask, r_m, cfg: Config):
     is rounded to BF16 for P̄·V while ℓ sums it unrounded, so O carries the factor bf16(P̄)/P̄ — a
     dither while the offset varies with r_m, as (β − 1)·r_m does, but a bias of up to ±2⁻⁹ in every
     guarded row if the offset were fixed (the earlier cap at r_m + 20 nats: +2.5e-3 relative;
-    docs/NUMERICS.md). Folding keeps it varying with r_m.
+    docs/NUMERICS.md). Folding keeps it varying with r_m. ``floor`` only ever sees y > 0 where its
+    result is used (``floor_positive`` does for backends without a floor).
+
+    Per row this is the stable forward's second cost after the tie count (each thread of a row's
+    quad computes it): written with as few operations as give these values (docs/PERF_NOTES.md v16).
     """
     pol = cfg.policy
     ties = tie_count(s, mask, r_m, cfg)
     # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
     m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
-    target = jnp.where(r_m > 0, round_to(cfg.beta * r_m, m_dtype), 0.0)
+    # β·r_m where r_m > 0, else 0, as one max (β > 1: β·r_m < 0 exactly where r_m < 0)
+    target = jnp.maximum(round_to(cfg.beta * r_m, m_dtype), 0.0)
     cap = cfg.max_shift
     over = target - r_m - cap  # > 0: the paper's shift would go past the guard
     # over mod cap/2 with a multiply and floor (the same IEEE operations on every backend)
-    folded = cap / 2 + (over - floor_positive(over * (2.0 / cap)) * (cap / 2))
+    folded = cap / 2 + (over - floor(over * (2.0 / cap)) * (cap / 2))
     shifted = jnp.where(over > 0, round_to(r_m + folded, m_dtype), target)
-    return jnp.where((ties > 1) & (r_m != 0), shifted, r_m)
+    # r_m = 0 needs no test of its own: its target is 0 and its `over` is −cap, so `shifted` is r_m
+    # (up to the sign of a zero); r_m = −inf has no ties (tie_count)
+    return jnp.where(ties > 1, shifted, r_m)
 
 
 def _floor_vs_shift(cfg: Config) -> bool:
@@ -265,17 +278,17 @@ def forward_tile_from_scores(carry: Carry, s, v, mask, cfg: Config) -> Carry:
     return Carry(m_new, l_new, accumulate(carry.acc, alpha, dot_nn(p_bar, v, pol), pol), m_raw)
 
 
-def softmax_update(carry: Carry, s, mask, cfg: Config):
+def softmax_update(carry: Carry, s, mask, cfg: Config, floor=jnp.floor):
     """The online-softmax part of one tile step, everything but the P̄·V product:
     (m_new, ℓ_new, α, P̄ as the P̄·V operand, m_raw). A kernel that issues P̄·V itself (the Mosaic GPU
-    forward's wgmma) finishes with ``accumulate``."""
+    forward's wgmma) finishes with ``accumulate``; ``floor``: see ``stable_shift``."""
     pol = cfg.policy
     m_old, l_old, _, m_raw = carry
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
     r_m = jnp.max(s, axis=1)
     # masked entries are −inf in s by now and never reach a tie threshold: no mask needed in the count
-    m_tile = stable_shift(s, None, r_m, cfg) if cfg.stable else r_m
+    m_tile = stable_shift(s, None, r_m, cfg, floor) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
     floor_vs_shift = _floor_vs_shift(cfg)
     if floor_vs_shift:

@@ -61,15 +61,16 @@ def _score_tile(rng, bq=16, bk=32):
 
 @pytest.mark.parametrize("beta", [2.0, 7.0])
 def test_stable_shift_folds_with_a_truncation_that_is_floor(rng, beta):
-    """tile.stable_shift takes floor as ``tile.floor_positive`` (a truncation: Mosaic GPU has no
-    floor) — floor itself wherever the fold uses it (y > 0, up to FP32's largest values)."""
+    """The Mosaic forward gives tile.stable_shift floor as ``tile.floor_positive`` (a truncation:
+    Mosaic GPU has no floor) — floor itself wherever the fold uses it (y > 0, up to FP32's largest
+    values)."""
     y = np.concatenate([rng.uniform(0, 4, 1000), rng.uniform(0, 1, 100) * 2.0 ** rng.integers(0, 127, 100),
                         [1e-30, 0.5, 1.0, 2.0 ** 23 - 0.5, 2.0 ** 23, 2.0 ** 31, 3e38]]).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(tile.floor_positive(jnp.asarray(y))), np.floor(y))
     cfg = make_cfg(256, 64, stable=True, beta=beta)
     s = _score_tile(rng)
     r_m = jnp.max(s, axis=1)
-    shift = np.asarray(tile.stable_shift(s, None, r_m, cfg))
+    shift = np.asarray(tile.stable_shift(s, None, r_m, cfg, floor=tile.floor_positive))
     over = np.asarray(jnp.where(r_m > 0, beta * r_m, 0.0) - r_m - cfg.max_shift)
     assert np.any(over > 0) and np.any(shift != np.asarray(r_m))  # the fold and the shift ran
     moved = (np.asarray(tile.tie_count(s, None, r_m, cfg)) > 1) & (over > 0) & np.isfinite(over)

@@ -139,6 +139,60 @@ def test_stable_shift_rule():
         assert len(offsets) >= 3 and min(offsets) >= half - tol and max(offsets) <= 2 * half + tol
 
 
+def _stable_shift_as_first_written(s, r_m, cfg):
+    """The shift as it stood before the per-row rewrite (docs/PERF_NOTES.md v16), as the spec: −inf
+    rows excluded by an inf threshold, r_m = 0 by its own test, the target by a select, floor by
+    truncation."""
+    pol = cfg.policy
+    if pol.tie_test == "paper":
+        threshold = rounding.round_to(r_m - 1e-3, pol.lp_dtype)
+    else:
+        eps = float(jnp.finfo(pol.tie_dtype).eps)
+        threshold = r_m + (np.log2 if pol.log2_units else np.log)(1.0 - eps / 4.0)
+    threshold = jnp.where(r_m == -jnp.inf, jnp.inf, threshold)
+    ties = jnp.sum(jnp.where(s >= threshold[:, None], 1.0, 0.0), axis=1)
+    m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
+    target = jnp.where(r_m > 0, rounding.round_to(cfg.beta * r_m, m_dtype), 0.0)
+    cap = cfg.max_shift
+    over = target - r_m - cap
+    folded = cap / 2 + (over - tile.floor_positive(over * (2.0 / cap)) * (cap / 2))
+    shifted = jnp.where(over > 0, rounding.round_to(r_m + folded, m_dtype), target)
+    return jnp.where((ties > 1) & (r_m != 0), shifted, r_m)
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+@pytest.mark.parametrize("beta", [1.5, 2.0, 7.0])
+def test_stable_shift_rewrite_is_the_first_form(rng, policy, beta):
+    """The per-row rewrite (a max for the −inf threshold and for the target, no r_m = 0 test, floor
+    as given) computes the first form's shift on every branch: ties above, below and at 0, folded
+    both ways, untied, near-ties at the threshold, empty (−inf) rows, −0.0, BF16-exact maxima ("paper"
+    tests on them) — with either floor."""
+    cfg = config(policy, beta=beta)
+    units = LOG2E if cfg.policy.log2_units else 1.0
+    bq, bk = 64, 32
+    s = rng.standard_normal((bq, bk)).astype(np.float32) * 3
+    tops = rng.choice(np.array([5.0, 60.0, 1e4, 3e8, -2.0, -60.0, -1e4, 0.0, -0.0, 7.5, 1e-3, 40.25],
+                               np.float32), bq) * rng.choice([1.0, 1.0, rng.uniform(0.5, 2)], bq)
+    tops = tops.astype(ml_dtypes.bfloat16).astype(np.float32) * units
+    r = np.arange(bq)
+    s[r, 0] = tops
+    # second entry: tied, untied, or a near-tie ±2 FP32 ulps around the FP32 threshold's neighbourhood
+    eps_gap = np.abs(tops) * 2.0 ** -9
+    s[r, 1] = np.select([r % 4 == 0, r % 4 == 1, r % 4 == 2],
+                        [tops, tops - 1.0, tops - eps_gap * 0.5], tops - eps_gap * 1.02)
+    s = np.minimum(s, tops[:, None])
+    s[r % 16 == 15] = -np.inf  # empty rows
+    s[r % 16 == 14, 5:] = -np.inf  # partly masked rows
+    s = jnp.asarray(s)
+    r_m = jnp.max(s, axis=1)
+    want = np.asarray(jax.jit(lambda s, r: _stable_shift_as_first_written(s, r, cfg))(s, r_m))
+    moved = want != np.asarray(r_m)
+    assert moved.sum() >= 8 and (~moved).sum() >= 8
+    for floor in (jnp.floor, tile.floor_positive):
+        got = np.asarray(jax.jit(lambda s, r: tile.stable_shift(s, None, r, cfg, floor))(s, r_m))
+        np.testing.assert_array_equal(got, want)  # −0.0 == 0.0: the sign of a zero r_m may differ
+
+
 def test_guarded_shift_keeps_o_unbiased(rng):
     """Where the paper's shift would move a tied row's max by more than the guard's 20 nats — β = 7
     with r_m ~ U(6, 10) (offset 6·r_m ≥ 36), β = 2 with r_m ~ U(25, 30) — the "fa2" stable O stays

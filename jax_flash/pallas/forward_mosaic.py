@@ -153,7 +153,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: in
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * cfg.score_scale  # tile.scores for "fa2"
             mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, bk, cfg) if masked else None
-            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg)
+            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
+                                                                floor=tile.floor_positive)
             acc = carry.acc * alpha[:, None]  # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
             if PINGPONG:
                 plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
