@@ -1,0 +1,118 @@
+"""Static op counts of our Triton forward kernel, per configuration, on a CPU (no GPU needed).
+
+    python -m experiments.triton_ops [--shape 1x1024x1x64] [--variants base,stable,stable+bits]
+
+The Pallas Triton lowering turns the kernel into a Triton IR module (``tt`` / ``arith`` / ``scf`` ops
+on whole tiles) that XLA's GPU compiler later turns into PTX. ``jax.export`` for CUDA runs that
+lowering on a CPU; the module is caught there and its ops are counted. The stable − base difference
+is what the stable shift adds to the forward (the causal kernel with ``split_diagonal`` has two loop
+bodies, so each added op appears twice). An op on a [rows] vector runs once per row a thread holds;
+one on a [rows, keys] tile once per entry (docs/PERF_NOTES.md, v16). Not a timing, and ptxas decides
+the instructions. The companion of ``experiments.mosaic_ops`` (the Mosaic GPU forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+
+# the shipped 32×1024 entry's launch (jax_flash/pallas/tuning.json "fa2/d64/t1024/causal")
+SHIPPED_D64 = dict(block_q=64, block_k=64, split_diagonal=True, prefetch_scores=True)
+VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
+            "stable+int": dict(stable=True, tie_count_int=True),
+            "stable+bits": dict(stable=True, tie_count_bits="jnp"),
+            "stable+bits-asm": dict(stable=True, tie_count_bits="asm")}
+_OPS = re.compile(r"= ((?:arith|tt|math)\.[a-z_]+)")
+FREE = ("arith.constant", "tt.splat")  # constants, and scalars splatted to tiles (no per-entry work)
+
+
+@contextlib.contextmanager
+def _captured_modules():
+    """The text of every Triton module lowered inside the block, with the lowering made to believe
+    it targets an sm_90 GPU and our kernels to run compiled, not in interpret mode."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    # (the package exports functions named like these modules)
+    common, forward, backward = (importlib.import_module(f"jax_flash.pallas.{m}")
+                                 for m in ("common", "forward", "backward"))
+    seen = []
+    lower = reg.lowering.lower_jaxpr_to_triton_module
+
+    def spy(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        seen.append(str(result.module))
+        return result
+
+    class _Sm90:
+        compute_capability = "9.0"
+
+    patches = [(reg.lowering, "lower_jaxpr_to_triton_module", spy)]
+    patches += [(m, "interpret_mode", lambda: False) for m in (common, forward, backward)]
+    if hasattr(reg, "gpu_info_lib"):  # jax ≥ 0.11 asks the (absent) GPU for its compute capability
+        patches.append((reg.gpu_info_lib, "get_gpu_info", _Sm90))
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield seen
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+
+
+def module_text(shape=(1, 1024, 1, 64), causal=True, **cfg_kw) -> str:
+    """The Triton IR of the forward kernel for a Config with ``cfg_kw`` (over the shipped D = 64
+    launch)."""
+    from jax_flash.policy import make_policy
+    from jax_flash.tile import Config
+
+    b, t, h, d = shape
+    kw = {**SHIPPED_D64, "stable": False, **cfg_kw}
+    cfg = Config(policy=make_policy("fa2", jnp.bfloat16), causal=causal, beta=2.0, sm_scale=d ** -0.5,
+                 delta="o", q_len=t, kv_len=t, **kw)
+    sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    forward = importlib.import_module("jax_flash.pallas.forward").forward
+    f = jax.jit(lambda q, k, v: forward(q, k, v, cfg, o_dtype=jnp.bfloat16))
+    with _captured_modules() as seen:
+        jax.export.export(f, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(sds, sds, sds)
+    if not seen:
+        raise RuntimeError("no Triton module was lowered")
+    return seen[-1]
+
+
+def op_counts(shape=(1, 1024, 1, 64), causal=True, **cfg_kw) -> collections.Counter:
+    """Ops of the forward kernel's Triton module, by name (``arith.cmpf``: …)."""
+    return collections.Counter(_OPS.findall(module_text(shape, causal, **cfg_kw)))
+
+
+def difference(a: collections.Counter, b: collections.Counter, free=FREE) -> dict:
+    """b − a per op name, leaving out ``free`` ops; only the names whose counts differ."""
+    return {k: b[k] - a[k] for k in sorted(set(a) | set(b)) if b[k] != a[k] and k not in free}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1x1024x1x64")
+    ap.add_argument("--variants", default="base,stable,stable+bits,stable+bits-asm")
+    args = ap.parse_args(argv)
+    shape = tuple(int(x) for x in args.shape.split("x"))
+    names = args.variants.split(",")
+    counts = {n: op_counts(shape, **VARIANTS[n]) for n in names}
+    base = counts[names[0]]
+    for n in names:
+        total = sum(v for k, v in counts[n].items() if k not in FREE)
+        print(f"{n}: {total} ops (constants and splats left out)")
+    for n in names[1:]:
+        d = difference(base, counts[n])
+        print(f"{n} − {names[0]}: {sum(d.values()):+d} {d}")
+
+
+if __name__ == "__main__":
+    main()
