@@ -25,8 +25,7 @@ VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
             "stable+int": dict(stable=True, tie_count_int=True),
             "base-k128": dict(stable=False, block_k=128), "stable-k128": dict(stable=True, block_k=128),
             "stable-k128+int": dict(stable=True, block_k=128, tie_count_int=True),
-            "stable-k128+sf": dict(stable=True, block_k=128, shift_factor=True),
-            "stable-k128+bits": dict(stable=True, block_k=128, tie_count_bits="jnp")}
+            "stable-k128+sf": dict(stable=True, block_k=128, shift_factor=True)}
 
 
 @contextlib.contextmanager

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 SHIPPED_D64 = dict(block_q=64, block_k=64, split_diagonal=True, prefetch_scores=True)
 VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
             "stable+int": dict(stable=True, tie_count_int=True),
-            "stable+bits": dict(stable=True, tie_count_bits="jnp"),
-            "stable+bits-asm": dict(stable=True, tie_count_bits="asm")}
+            "stable+factor": dict(stable=True, shift_factor=True)}
 _OPS = re.compile(r"= ((?:arith|tt|math)\.[a-z_]+)")
 FREE = ("arith.constant", "tt.splat")  # constants, and scalars splatted to tiles (no per-entry work)
 
@@ -100,7 +99,7 @@ def difference(a: collections.Counter, b: collections.Counter, free=FREE) -> dic
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1x1024x1x64")
-    ap.add_argument("--variants", default="base,stable,stable+bits,stable+bits-asm")
+    ap.add_argument("--variants", default="base,stable")
     args = ap.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x"))
     names = args.variants.split(",")

@@ -15,8 +15,6 @@ same either way.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 from typing import NamedTuple
@@ -91,22 +89,12 @@ class Config:
     # by the product's rounding (rows the shift leaves alone: factor 1, the same bits). The exps then no
     # longer wait for the tie count (docs/PERF_NOTES.md, "v15").
     shift_factor: bool = False
-    # The stable forward's "≥ 2 ties" test from the bits of the FP32 0/1 indicators summed as int32
-    # (tuning field "tie_count_bits": "jnp", or "asm" for the indicator as PTX ``set.ge.f32.f32`` in
-    # the compiled Triton kernel): 1.0f is 127·2²³, so the wrapped sum is 2²³·(127·count mod 512),
-    # which is 0 or 127·2²³ exactly for counts 0 and 1 (any count below 512: one tile's). The same
-    # decision as ``tie_count(...) > 1``; whether an integer sum of the float indicators issues fewer
-    # instructions than the FP32 count is for the GPU to say (docs/PERF_NOTES.md, v16).
-    tie_count_bits: str | None = None
 
     def __post_init__(self):
         pol = self.policy
         if self.shift_factor and (pol.round_shifted or pol.lp_accumulators or pol.tile_sum_floor):
             raise ValueError(f"shift_factor needs FP32 accumulators and unrounded exponents; policy "
                              f"{pol.name!r} has its own rounding points for the shift")
-
-        if self.tie_count_bits not in (None, "jnp", "asm"):
-            raise ValueError(f"tie_count_bits must be None, 'jnp' or 'asm', got {self.tie_count_bits!r}")
 
     @property
     def score_scale(self) -> float:
@@ -191,23 +179,6 @@ def scores(q, k, cfg: Config):
     return s * cfg.score_scale
 
 
-def tie_threshold(r_m, cfg: Config):
-    """Per row, the value an entry must reach to count as "at the max" r_m (``tie_count``)."""
-    pol = cfg.policy
-    # A row with nothing unmasked (r_m = −inf) has no ties: its −inf entries must not count, so its
-    # threshold is taken from the lowest finite value instead of −inf (one max per row instead of a
-    # compare and a select; every finite r_m keeps its threshold).
-    if pol.tie_test == "paper":
-        # (the lowest value of the BF16 threshold's dtype: FP32's would round to −inf there)
-        return round_to(jnp.maximum(r_m, float(jnp.finfo(pol.lp_dtype).min)) - 1e-3, pol.lp_dtype)
-    # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
-    # ⟺  x ≥ log(1 − eps/4), i.e. S ≥ r_m + log(1 − eps/4): a compare instead of an exp per entry.
-    # The threshold is rounded to FP32 once per row, so it may admit the one FP32 value just below
-    # the exact boundary (S − r_m is exact there, Sterbenz): a near-tie 2⁻⁹ below the max.
-    eps = float(jnp.finfo(pol.tie_dtype).eps)
-    return jnp.maximum(r_m, _LOWEST) + _log(1.0 - eps / 4.0, pol)
-
-
 def tie_count(s, mask, r_m, cfg: Config):
     """Per row, the number of unmasked entries "at the max" r_m (masked entries never count;
     ``mask=None``: a tile without masked entries, or one whose masked entries are −inf in ``s``).
@@ -219,51 +190,27 @@ def tie_count(s, mask, r_m, cfg: Config):
     Both are one compare per entry against a per-row threshold: the count is the stable forward's
     only per-entry extra work (docs/PERF_NOTES.md v8).
     """
-    at_max = s >= tie_threshold(r_m, cfg)[:, None]
+    pol = cfg.policy
+    # A row with nothing unmasked (r_m = −inf) has no ties: its −inf entries must not count, so its
+    # threshold is taken from the lowest finite value instead of −inf (one max per row instead of a
+    # compare and a select; every finite r_m keeps its threshold).
+    if pol.tie_test == "paper":
+        # (the lowest value of the BF16 threshold's dtype: FP32's would round to −inf there)
+        threshold = round_to(jnp.maximum(r_m, float(jnp.finfo(pol.lp_dtype).min)) - 1e-3,
+                             pol.lp_dtype)
+    else:
+        # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
+        # ⟺  x ≥ log(1 − eps/4), i.e. S ≥ r_m + log(1 − eps/4): a compare instead of an exp per entry.
+        # The threshold is rounded to FP32 once per row, so it may admit the one FP32 value just below
+        # the exact boundary (S − r_m is exact there, Sterbenz): a near-tie 2⁻⁹ below the max.
+        eps = float(jnp.finfo(pol.tie_dtype).eps)
+        threshold = jnp.maximum(r_m, _LOWEST) + _log(1.0 - eps / 4.0, pol)
+    at_max = s >= threshold[:, None]
     if mask is not None:
         at_max = mask & at_max
     if cfg.tie_count_int:
         return jnp.sum(at_max.astype(jnp.int32), axis=1)
     return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
-
-
-_ONE_BITS = 0x3F800000  # the bits of FP32 1.0 = 127·2²³
-_TRITON_KERNEL = contextvars.ContextVar("jax_flash_triton_kernel", default=False)
-
-
-@contextlib.contextmanager
-def triton_kernel(enabled: bool = True):
-    """Inside a compiled Triton kernel body (``pallas.common.kernel_body``): PTX may be inlined."""
-    token = _TRITON_KERNEL.set(enabled)
-    try:
-        yield
-    finally:
-        _TRITON_KERNEL.reset(token)
-
-
-def _at_max_indicator(s, threshold):
-    """FP32 1.0 where s ≥ threshold (per row), else 0.0 — NaN entries 0.0."""
-    if _TRITON_KERNEL.get():
-        from jax.experimental.pallas import triton as pltriton
-
-        return pltriton.elementwise_inline_asm(
-            "set.ge.f32.f32 $0, $1, $2;", args=[s, jnp.broadcast_to(threshold[:, None], s.shape)],
-            constraints="=f,f,f", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, s.dtype)])[0]
-    return jnp.where(s >= threshold[:, None], 1.0, 0.0)
-
-
-def two_or_more_ties(s, r_m, cfg: Config):
-    """Per row, whether ≥ 2 entries of ``s`` (masked entries −inf) are at the max r_m:
-    ``tie_count(s, None, r_m, cfg) > 1``, or its bits form (``Config.tie_count_bits``)."""
-    if cfg.tie_count_bits is None:
-        return tie_count(s, None, r_m, cfg) > 1
-    threshold = tie_threshold(r_m, cfg)
-    if cfg.tie_count_bits == "asm":
-        ind = _at_max_indicator(s, threshold)
-    else:
-        ind = jnp.where(s >= threshold[:, None], 1.0, 0.0)
-    bits = jnp.sum(lax.bitcast_convert_type(ind.astype(jnp.float32), jnp.int32), axis=1)  # wraps
-    return (bits != 0) & (bits != _ONE_BITS)
 
 
 def floor_positive(y):
@@ -293,9 +240,7 @@ def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor):
     quad computes it): written with as few operations as give these values (docs/PERF_NOTES.md v16).
     """
     pol = cfg.policy
-    if mask is not None:
-        s = jnp.where(mask, s, NEG_INF)
-    shift_it = two_or_more_ties(s, r_m, cfg)
+    ties = tie_count(s, mask, r_m, cfg)
     # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
     m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
     # β·r_m where r_m > 0, else 0, as one max (β > 1: β·r_m < 0 exactly where r_m < 0)
@@ -306,8 +251,8 @@ def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor):
     folded = cap / 2 + (over - floor(over * (2.0 / cap)) * (cap / 2))
     shifted = jnp.where(over > 0, round_to(r_m + folded, m_dtype), target)
     # r_m = 0 needs no test of its own: its target is 0 and its `over` is −cap, so `shifted` is r_m
-    # (up to the sign of a zero); r_m = −inf has no ties (tie_threshold)
-    return jnp.where(shift_it, shifted, r_m)
+    # (up to the sign of a zero); r_m = −inf has no ties (tie_count)
+    return jnp.where(ties > 1, shifted, r_m)
 
 
 def _floor_vs_shift(cfg: Config) -> bool:

@@ -315,14 +315,6 @@ def test_tie_count_int_is_the_same_arithmetic(rng, policy, causal, tiles, extra)
     assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "tie_count_int": True}))
 
 
-@pytest.mark.parametrize("form", ["jnp", "asm"])
-def test_tie_count_bits_is_the_same_arithmetic(rng, form):
-    """``Config.tie_count_bits`` (the "≥ 2 ties" test from the indicators' bits summed in int32;
-    "asm" is the jnp form off a compiled Triton kernel) changes no value on tied rows."""
-    extra = {"split_diagonal": True, "prefetch_scores": True}
-    assert_same_values_under(rng, "fa2", True, (32, 16), (extra, {**extra, "tie_count_bits": form}))
-
-
 def test_dq_launch_and_block_reach_the_dq_kernel_only(monkeypatch):
     """The dQ kernel takes ``dq_launch`` / ``dq_block`` where set, the dK/dV kernel keeps
     ``bwd_launch`` / ``bwd_block``: grids and the launch each pallas_call is built with."""

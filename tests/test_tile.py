@@ -193,31 +193,6 @@ def test_stable_shift_rewrite_is_the_first_form(rng, policy, beta):
         np.testing.assert_array_equal(got, want)  # −0.0 == 0.0: the sign of a zero r_m may differ
 
 
-@pytest.mark.parametrize("policy", ["fa2", "paper"])
-@pytest.mark.parametrize("form", ["jnp", "asm"])  # "asm" off a compiled Triton kernel: the jnp indicator
-def test_two_or_more_ties_bits_form_is_the_count(rng, policy, form):
-    """The bits form (Config.tie_count_bits: the FP32 0/1 indicators summed as wrapping int32) decides
-    "≥ 2 ties" as ``tie_count > 1`` does, for every count a tile can hold (0 … 128 of 128 keys: the
-    sums wrap from 5 ties on), with −inf (masked) entries, empty rows and NaN entries."""
-    cfg = dataclasses.replace(config(policy, block_k=128), tie_count_bits=form)
-    bq, bk = 160, 128
-    s = rng.standard_normal((bq, bk)).astype(np.float32) * 2
-    tops = rng.uniform(-30, 30, bq).astype(ml_dtypes.bfloat16).astype(np.float32)
-    counts = np.concatenate([np.arange(bk + 1), rng.integers(0, 8, bq - bk - 1)])
-    for i in range(bq):
-        s[i] = np.minimum(s[i], tops[i] - 0.5)
-        s[i, rng.permutation(bk)[: max(counts[i], 1)]] = tops[i]  # count[i] ties (one max if 0 or 1)
-    s[bq - 4, :] = -np.inf  # empty row
-    s[bq - 3, ::2] = -np.inf  # masked half
-    s[bq - 2, 3] = np.nan
-    s = jnp.asarray(s)
-    r_m = jnp.max(jnp.where(jnp.isnan(s), -jnp.inf, s), axis=1)
-    want = np.asarray(tile.tie_count(s, None, r_m, cfg)) > 1
-    got = np.asarray(jax.jit(lambda s, r: tile.two_or_more_ties(s, r, cfg))(s, r_m))
-    np.testing.assert_array_equal(got, want)
-    assert want[:bk + 1].sum() == bk - 1 and not want[bq - 4]  # counts 2 … 128 seen; the empty row not
-
-
 def test_guarded_shift_keeps_o_unbiased(rng):
     """Where the paper's shift would move a tied row's max by more than the guard's 20 nats — β = 7
     with r_m ~ U(6, 10) (offset 6·r_m ≥ 36), β = 2 with r_m ~ U(25, 30) — the "fa2" stable O stays

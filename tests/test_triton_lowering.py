@@ -14,13 +14,3 @@ def test_stable_shift_adds_few_ops_per_row():
     assert "arith.fptosi" not in extra and "arith.andi" not in extra  # floor in one op, no r_m ≠ 0 test
     assert 2 * 15 <= sum(extra.values()) <= 2 * 22
 
-
-def test_bits_form_asm_inlines_the_ptx_set():
-    """``tie_count_bits="asm"``: the indicator is the PTX ``set.ge.f32.f32`` (1.0f / 0.0f), summed in
-    int32 — no per-entry select; the "jnp" form selects 1.0 / 0.0 and bit-casts it."""
-    asm = triton_ops.module_text(**triton_ops.VARIANTS["stable+bits-asm"])
-    assert "set.ge.f32.f32" in asm and "tt.elementwise_inline_asm" in asm
-    jnp_form, asm_form = (triton_ops.op_counts(**triton_ops.VARIANTS[n])
-                          for n in ("stable+bits", "stable+bits-asm"))
-    assert asm_form["arith.select"] == jnp_form["arith.select"] - 2  # one per body
-    assert asm_form["arith.addi"] >= jnp_form["arith.addi"] > 0 and jnp_form["tt.bitcast"] > 0

@@ -6,7 +6,6 @@ import functools
 
 import jax
 
-from .. import tile
 from ..rounding import native_casts
 
 
@@ -22,8 +21,7 @@ def kernel_body(fn):
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        compiled = not interpret_mode()
-        with native_casts(compiled), tile.triton_kernel(compiled):
+        with native_casts(not interpret_mode()):
             return fn(*args, **kwargs)
 
     return wrapped
