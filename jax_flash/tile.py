@@ -287,15 +287,6 @@ def softmax_update(carry: Carry, s, mask, cfg: Config, floor=jnp.floor):
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
     r_m = jnp.max(s, axis=1)
-    factor_form = cfg.stable and cfg.shift_factor
-    if factor_form:
-        # exps against the baseline's shift, which need not wait for the tie count — first in
-        # program order too: a warp issues in order, and the count placed before the exps held most
-        # of them up in the compiled kernels (docs/PERF_NOTES.md v15, v16)
-        m_base = jnp.maximum(m_old, r_m)
-        m_base = jnp.where(m_base == NEG_INF, 0.0, m_base)
-        p = _exp(s - m_base[:, None], pol)
-        p_sum = jnp.sum(p, axis=1)
     # masked entries are −inf in s by now and never reach a tie threshold: no mask needed in the count
     m_tile = stable_shift(s, None, r_m, cfg, floor) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
@@ -305,10 +296,14 @@ def softmax_update(carry: Carry, s, mask, cfg: Config, floor=jnp.floor):
     m_ref = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing unmasked yet: avoid -inf - -inf
     rnd = (lambda x: round_to(x, pol.lp_dtype)) if pol.round_shifted else (lambda x: x)
     alpha = _exp(rnd(m_old - m_ref), pol)
-    if factor_form:
-        # the stable shift as a factor ≤ 1 per row: exactly 1 (the same bits) where it moved nothing
+    if cfg.stable and cfg.shift_factor:
+        # exps against the baseline's shift (they need not wait for the tie count), the stable shift
+        # then as a factor ≤ 1 per row: exactly 1 (the same bits) where it moved nothing
+        m_base = jnp.maximum(m_old, r_m)
+        m_base = jnp.where(m_base == NEG_INF, 0.0, m_base)
+        p = _exp(s - m_base[:, None], pol)
         factor = jnp.where(m_ref != m_base, _exp(m_base - m_ref, pol), 1.0)
-        tile_sum = factor * p_sum
+        tile_sum = factor * jnp.sum(p, axis=1)
         p = p * factor[:, None]
     else:
         p = _exp(rnd(s - m_ref[:, None]), pol)  # masked entries: exp(-inf) = 0
