@@ -216,9 +216,8 @@ def tie_count(s, mask, r_m, cfg: Config):
 def floor_positive(y):
     """floor(y) for y > 0 as a truncation, the ``floor`` the Mosaic GPU forward passes to
     ``stable_shift`` (Mosaic GPU, jax 0.11, has no floor; elsewhere one instruction does it, where
-    this takes four per row): FP32 values ≥ 2²³
-    are integers already, below that truncation toward zero is floor. Other y: unspecified (the
-    caller discards them)."""
+    this takes four per row): FP32 values ≥ 2²³ are integers already, below that truncation toward
+    zero is floor. Other y: unspecified (the caller discards them)."""
     return jnp.where(y >= 2.0 ** 23, y, y.astype(jnp.int32).astype(jnp.float32))
 
 
@@ -236,8 +235,8 @@ def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor):
     docs/NUMERICS.md). Folding keeps it varying with r_m. ``floor`` only ever sees y > 0 where its
     result is used (``floor_positive`` does for backends without a floor).
 
-    Per row this is the stable forward's second cost after the tie count (each thread of a row's
-    quad computes it): written with as few operations as give these values (docs/PERF_NOTES.md v16).
+    Written with as few operations per row as give these values; on the GPU they run beside the tie
+    count, whose chain is the stable forward's whole extra time (docs/PERF_NOTES.md v16).
     """
     pol = cfg.policy
     ties = tie_count(s, mask, r_m, cfg)
