@@ -1,6 +1,6 @@
 """Static op counts of our Triton forward kernel, per configuration, on a CPU (no GPU needed).
 
-    python -m experiments.triton_ops [--shape 1x1024x1x64] [--variants base,stable,stable+bits]
+    python -m experiments.triton_ops [--shape 1x1024x1x64] [--variants base,stable,stable+factor]
 
 The Pallas Triton lowering turns the kernel into a Triton IR module (``tt`` / ``arith`` / ``scf`` ops
 on whole tiles) that XLA's GPU compiler later turns into PTX. ``jax.export`` for CUDA runs that
