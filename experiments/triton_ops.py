@@ -26,7 +26,8 @@ import jax.numpy as jnp
 SHIPPED_D64 = dict(block_q=64, block_k=64, split_diagonal=True, prefetch_scores=True)
 VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
             "stable+int": dict(stable=True, tie_count_int=True),
-            "stable+factor": dict(stable=True, shift_factor=True)}
+            "stable+factor": dict(stable=True, shift_factor=True),
+            "stable+top2": dict(stable=True, tie_top2=True)}
 _OPS = re.compile(r"= ((?:arith|tt|math)\.[a-z_]+)")
 FREE = ("arith.constant", "tt.splat")  # constants, and scalars splatted to tiles (no per-entry work)
 

@@ -89,6 +89,12 @@ class Config:
     # by the product's rounding (rows the shift leaves alone: factor 1, the same bits). The exps then no
     # longer wait for the tie count (docs/PERF_NOTES.md, "v15").
     shift_factor: bool = False
+    # The stable forward's "≥ 2 ties" from the row's two largest scores, found in the same reduction
+    # as the row max (tuning field "tie_top2"; ``row_top2``), instead of a count after it: the same
+    # decisions (the count of entries ≥ the threshold is ≥ 2 exactly when the second largest is ≥ it),
+    # without the count's serial chain between the row max and the exps (docs/PERF_NOTES.md v17).
+    # Triton kernels and the jnp executor; the Mosaic GPU forward does not lower it.
+    tie_top2: bool = False
 
     def __post_init__(self):
         pol = self.policy
@@ -179,6 +185,23 @@ def scores(q, k, cfg: Config):
     return s * cfg.score_scale
 
 
+def tie_threshold(r_m, cfg: Config):
+    """Per row, the score at and above which an entry is "at the max" r_m (see ``tie_count``)."""
+    pol = cfg.policy
+    # A row with nothing unmasked (r_m = −inf) has no ties: its −inf entries must not count, so its
+    # threshold is taken from the lowest finite value instead of −inf (one max per row instead of a
+    # compare and a select; every finite r_m keeps its threshold).
+    if pol.tie_test == "paper":
+        # (the lowest value of the BF16 threshold's dtype: FP32's would round to −inf there)
+        return round_to(jnp.maximum(r_m, float(jnp.finfo(pol.lp_dtype).min)) - 1e-3, pol.lp_dtype)
+    # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
+    # ⟺  x ≥ log(1 − eps/4), i.e. S ≥ r_m + log(1 − eps/4): a compare instead of an exp per entry.
+    # The threshold is rounded to FP32 once per row, so it may admit the one FP32 value just below
+    # the exact boundary (S − r_m is exact there, Sterbenz): a near-tie 2⁻⁹ below the max.
+    eps = float(jnp.finfo(pol.tie_dtype).eps)
+    return jnp.maximum(r_m, _LOWEST) + _log(1.0 - eps / 4.0, pol)
+
+
 def tie_count(s, mask, r_m, cfg: Config):
     """Per row, the number of unmasked entries "at the max" r_m (masked entries never count;
     ``mask=None``: a tile without masked entries, or one whose masked entries are −inf in ``s``).
@@ -187,30 +210,30 @@ def tie_count(s, mask, r_m, cfg: Config):
     ~2⁻⁹ of r_m) — the entries that put exact copies of V rows into Ō. ``paper``: the authors' test
     ``S ≥ bf16(r_m − 1e-3)`` on BF16 scores.
 
-    Both are one compare per entry against a per-row threshold: the count is the stable forward's
-    only per-entry extra work (docs/PERF_NOTES.md v8).
+    Both are one compare per entry against a per-row threshold (``tie_threshold``): the count is the
+    stable forward's only per-entry extra work (docs/PERF_NOTES.md v8).
     """
-    pol = cfg.policy
-    # A row with nothing unmasked (r_m = −inf) has no ties: its −inf entries must not count, so its
-    # threshold is taken from the lowest finite value instead of −inf (one max per row instead of a
-    # compare and a select; every finite r_m keeps its threshold).
-    if pol.tie_test == "paper":
-        # (the lowest value of the BF16 threshold's dtype: FP32's would round to −inf there)
-        threshold = round_to(jnp.maximum(r_m, float(jnp.finfo(pol.lp_dtype).min)) - 1e-3,
-                             pol.lp_dtype)
-    else:
-        # lp(exp(x)) == 1  ⟺  exp(x) ≥ 1 − eps/4 (the midpoint below 1 rounds to even, i.e. to 1)
-        # ⟺  x ≥ log(1 − eps/4), i.e. S ≥ r_m + log(1 − eps/4): a compare instead of an exp per entry.
-        # The threshold is rounded to FP32 once per row, so it may admit the one FP32 value just below
-        # the exact boundary (S − r_m is exact there, Sterbenz): a near-tie 2⁻⁹ below the max.
-        eps = float(jnp.finfo(pol.tie_dtype).eps)
-        threshold = jnp.maximum(r_m, _LOWEST) + _log(1.0 - eps / 4.0, pol)
-    at_max = s >= threshold[:, None]
+    at_max = s >= tie_threshold(r_m, cfg)[:, None]
     if mask is not None:
         at_max = mask & at_max
     if cfg.tie_count_int:
         return jnp.sum(at_max.astype(jnp.int32), axis=1)
     return jnp.sum(jnp.where(at_max, 1.0, 0.0), axis=1)
+
+
+def _top2_combine(a, b):
+    (a1, a2), (b1, b2) = a, b
+    return jnp.maximum(a1, b1), jnp.maximum(jnp.minimum(a1, b1), jnp.maximum(a2, b2))
+
+
+def row_top2(s):
+    """Per row, the largest and the second largest entry of ``s`` (with multiplicity: a value held
+    twice is both), as one reduction whose combine keeps a (first, second) pair — so the row max and
+    what the tie test needs leave the reduction together (``Config.tie_top2``). The first is
+    ``jnp.max(s, axis=1)``: max is exact whatever the order."""
+    pair = (s, jnp.full_like(s, NEG_INF))
+    neg_inf = jnp.asarray(NEG_INF, s.dtype)
+    return lax.reduce(pair, (neg_inf, neg_inf), _top2_combine, (1,))
 
 
 def floor_positive(y):
@@ -221,7 +244,7 @@ def floor_positive(y):
     return jnp.where(y >= 2.0 ** 23, y, y.astype(jnp.int32).astype(jnp.float32))
 
 
-def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor):
+def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor, second=None):
     """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
 
     Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
@@ -233,13 +256,18 @@ def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor):
     dither while the offset varies with r_m, as (β − 1)·r_m does, but a bias of up to ±2⁻⁹ in every
     guarded row if the offset were fixed (the earlier cap at r_m + 20 nats: +2.5e-3 relative;
     docs/NUMERICS.md). Folding keeps it varying with r_m. ``floor`` only ever sees y > 0 where its
-    result is used (``floor_positive`` does for backends without a floor).
+    result is used (``floor_positive`` does for backends without a floor). ``second``: the rows'
+    second largest scores (``row_top2``); given, "≥ 2 ties" is ``second ≥ threshold`` — the same
+    decision as ``tie_count(...) > 1`` (``s`` and ``mask`` are then unused).
 
     Written with as few operations per row as give these values; on the GPU they run beside the tie
     count, whose chain is the stable forward's whole extra time (docs/PERF_NOTES.md v16).
     """
     pol = cfg.policy
-    ties = tie_count(s, mask, r_m, cfg)
+    if second is None:
+        tied = tie_count(s, mask, r_m, cfg) > 1
+    else:  # ≥ 2 entries reach the threshold ⟺ the second largest does (the largest, r_m, always does)
+        tied = second >= tie_threshold(r_m, cfg)
     # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
     m_dtype = pol.lp_dtype if pol.lp_accumulators else jnp.float32
     # β·r_m where r_m > 0, else 0, as one max (β > 1: β·r_m < 0 exactly where r_m < 0)
@@ -251,7 +279,7 @@ def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor):
     shifted = jnp.where(over > 0, round_to(r_m + folded, m_dtype), target)
     # r_m = 0 needs no test of its own: its target is 0 and its `over` is −cap, so `shifted` is r_m
     # (up to the sign of a zero); r_m = −inf has no ties (tie_count)
-    return jnp.where(ties > 1, shifted, r_m)
+    return jnp.where(tied, shifted, r_m)
 
 
 def _floor_vs_shift(cfg: Config) -> bool:
@@ -285,9 +313,12 @@ def softmax_update(carry: Carry, s, mask, cfg: Config, floor=jnp.floor):
     m_old, l_old, _, m_raw = carry
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
-    r_m = jnp.max(s, axis=1)
+    if cfg.stable and cfg.tie_top2:
+        r_m, second = row_top2(s)
+    else:
+        r_m, second = jnp.max(s, axis=1), None
     # masked entries are −inf in s by now and never reach a tie threshold: no mask needed in the count
-    m_tile = stable_shift(s, None, r_m, cfg, floor) if cfg.stable else r_m
+    m_tile = stable_shift(s, None, r_m, cfg, floor, second=second) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
     floor_vs_shift = _floor_vs_shift(cfg)
     if floor_vs_shift:

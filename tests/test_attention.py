@@ -315,6 +315,16 @@ def test_tie_count_int_is_the_same_arithmetic(rng, policy, causal, tiles, extra)
     assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "tie_count_int": True}))
 
 
+@pytest.mark.parametrize("policy,causal,tiles,extra", [
+    ("fa2", True, (16, 16), {}), ("fa2", True, (32, 16), {"split_diagonal": True, "prefetch_scores": True}),
+    ("fa2", False, (16, 32), {"shift_factor": True}),
+    pytest.param("paper", False, (32, 16), {}, marks=pytest.mark.slow)])
+def test_tie_top2_is_the_same_arithmetic(rng, policy, causal, tiles, extra):
+    """``Config.tie_top2`` ("≥ 2 ties" from the row's two largest scores, found with the row max)
+    changes no value: the inputs have tied rows, so the decision matters here."""
+    assert_same_values_under(rng, policy, causal, tiles, (extra, {**extra, "tie_top2": True}))
+
+
 def test_dq_launch_and_block_reach_the_dq_kernel_only(monkeypatch):
     """The dQ kernel takes ``dq_launch`` / ``dq_block`` where set, the dK/dV kernel keeps
     ``bwd_launch`` / ``bwd_block``: grids and the launch each pallas_call is built with."""

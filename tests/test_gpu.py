@@ -150,6 +150,33 @@ def test_gpu_shift_factor_on_tied_rows(rng):
     assert rel(o_f, ref) <= 1.05 * rel(o_d, ref) + 1e-6
 
 
+def test_gpu_tie_top2_on_tied_rows(rng):
+    """"≥ 2 ties" from the row's two largest scores (``Config.tie_top2``, the Triton lowering of
+    ``tile.row_top2``'s reduction), compiled at the shipped D = 64 launch, on rows with tied maxima
+    and near-ties: the count form's O and L, bitwise."""
+    from test_forward_mosaic import tied_qkv
+
+    from jax_flash.pallas import tuning
+
+    shape = (2, 1024, 4, 64)
+    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (300, 301), (700, 900)))
+    base = {"block_q": 64, "block_k": 64, "split_diagonal": True, "prefetch_scores": True,
+            "fwd": {"num_warps": 4, "num_stages": 3}}
+    outs = []
+    for extra in ({}, {"tie_top2": True}):
+        with tuning.override({**base, **extra}):
+            o, lse = jax.jit(lambda q, k, v: jf.attention_with_lse(q, k, v, causal=True, stable=True,
+                                                                  impl="pallas"))(q, k, v)
+        outs.append((np.asarray(o, np.float32), np.asarray(lse)))
+    unstable = np.asarray(jf.attention(q, k, v, causal=True, stable=False, impl="pallas"), np.float32)
+    (o_c, l_c), (o_t, l_t) = outs
+    print(f"top2 vs count: O bitwise {100 * np.mean(o_t == o_c):.4f} %, L {100 * np.mean(l_t == l_c):.4f} %;"
+          f" rows the shift changed: {100 * np.mean(np.any(o_c != unstable, -1)):.2f} %")
+    assert np.any(o_c != unstable)  # the shift fired somewhere: the decision is tested
+    np.testing.assert_array_equal(o_t, o_c)
+    np.testing.assert_array_equal(l_t, l_c)
+
+
 # ---------------------------------------------------------------- the Mosaic GPU forward (opt-in)
 MOSAIC_SHAPES = [(2, 1024, 4, 64), (1, 2048, 2, 128)]
 

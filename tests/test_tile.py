@@ -193,6 +193,51 @@ def test_stable_shift_rewrite_is_the_first_form(rng, policy, beta):
         np.testing.assert_array_equal(got, want)  # −0.0 == 0.0: the sign of a zero r_m may differ
 
 
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+def test_top2_decides_as_the_count(rng, policy):
+    """``row_top2`` gives the row max and the second largest score (with multiplicity: brute force by
+    sorting), and ``stable_shift`` deciding from the second largest returns the count's shift bitwise
+    — on 1, 2 and 3+ exact ties anywhere in the row, near-ties on both sides of the FP32 threshold,
+    empty (−inf) and partly masked rows, +inf ties and NaN rows."""
+    cfg = config(policy, beta=2.0)
+    units = LOG2E if cfg.policy.log2_units else 1.0
+    bq, bk = 96, 32
+    s = rng.standard_normal((bq, bk)).astype(np.float32) * 3
+    tops = rng.choice(np.array([5.0, 60.0, 1e4, -2.0, -60.0, 0.0, 7.5, 1e-3, 40.25], np.float32), bq)
+    tops = tops.astype(ml_dtypes.bfloat16).astype(np.float32) * units
+    r = np.arange(bq)
+    s = np.minimum(s, tops[:, None] - np.abs(tops[:, None]) * 2.0 ** -7 - 1e-3)  # all well below
+    thr = np.asarray(tile.tie_threshold(jnp.asarray(tops), cfg))
+    below = np.nextafter(thr, -np.inf).astype(np.float32)
+    cols = np.array([rng.permutation(bk)[:4] for _ in r])
+    kind = r % 6  # 0: one max; 1: two ties; 2: three; 3: a near-tie at the threshold; 4: just below; 5: many
+    s[r, cols[:, 0]] = tops
+    s[kind == 1, cols[kind == 1, 1]] = tops[kind == 1]
+    for c in (1, 2):
+        s[kind == 2, cols[kind == 2, c]] = tops[kind == 2]
+    s[kind == 3, cols[kind == 3, 1]] = np.minimum(thr, tops)[kind == 3]
+    s[kind == 4, cols[kind == 4, 1]] = below[kind == 4]
+    s[kind == 5, :] = tops[kind == 5, None]
+    s[r % 16 == 15] = -np.inf  # empty rows
+    s[r % 16 == 14, 5:] = -np.inf  # partly masked rows
+    s[r % 32 == 13, :2] = np.inf  # two +inf entries: a tie at +inf
+    s[r % 32 == 29, 3] = np.nan
+    s = jnp.asarray(s)
+    first, second = (np.asarray(x) for x in jax.jit(tile.row_top2)(s))
+    srt = np.sort(np.where(np.isnan(np.asarray(s)), -np.inf, np.asarray(s)), axis=1)
+    ok = ~np.isnan(np.asarray(s)).any(axis=1)
+    np.testing.assert_array_equal(first[ok], srt[ok, -1])
+    np.testing.assert_array_equal(second[ok], srt[ok, -2])
+    np.testing.assert_array_equal(first, np.asarray(jnp.max(s, axis=1)))  # NaN rows: NaN in both
+    r_m = jnp.max(s, axis=1)
+    count = np.asarray(jax.jit(lambda s, r: tile.stable_shift(s, None, r, cfg))(s, r_m))
+    top2 = np.asarray(jax.jit(lambda s, r, sec: tile.stable_shift(s, None, r, cfg, second=sec))(
+        s, r_m, jnp.asarray(second)))
+    np.testing.assert_array_equal(top2, count)
+    moved = count != np.asarray(r_m)
+    assert moved.sum() >= 20 and (~moved[ok & np.isfinite(first)]).sum() >= 20
+
+
 def test_guarded_shift_keeps_o_unbiased(rng):
     """Where the paper's shift would move a tied row's max by more than the guard's 20 nats — β = 7
     with r_m ~ U(6, 10) (offset 6·r_m ≥ 36), β = 2 with r_m ~ U(25, 30) — the "fa2" stable O stays

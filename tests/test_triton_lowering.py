@@ -14,3 +14,17 @@ def test_stable_shift_adds_few_ops_per_row():
     assert "arith.fptosi" not in extra and "arith.andi" not in extra  # floor in one op, no r_m ≠ 0 test
     assert 2 * 15 <= sum(extra.values()) <= 2 * 22
 
+
+
+def test_top2_tie_test_has_no_per_entry_count():
+    """``tie_top2``: the row max becomes a two-operand reduction (max and second largest, one
+    ``tt.reduce``) and the count's per-entry compare, select and add are gone — the stable extra is
+    per-row ops plus the reduction's combine (docs/PERF_NOTES.md v17)."""
+    text = triton_ops.module_text(**triton_ops.VARIANTS["stable+top2"])
+    assert text.count("\"tt.reduce\"(") == text.count("tt.reduce.return") and "minnumf" in text
+    pairs = [line for line in text.splitlines() if "\"tt.reduce\"(" in line and ":2 = " in line]
+    assert len(pairs) == 2  # one per loop body
+    base, top2 = (triton_ops.op_counts(**triton_ops.VARIANTS[n]) for n in ("base", "stable+top2"))
+    extra = triton_ops.difference(base, top2)
+    assert extra.get("arith.cmpf") == 2 * 2  # per body: second ≥ threshold, over > 0 (no per-entry compare)
+    assert "tt.broadcast" not in extra and "tt.expand_dims" not in extra  # no [rows, keys] threshold

@@ -18,6 +18,9 @@ from .. import tile
 from ..tile import Config
 from . import forward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body
+from .triton_reduce import register as _register_reduce
+
+_register_reduce()  # tile.row_top2's reduction (Config.tie_top2) in the Triton lowering
 
 
 def _num_kv_tiles(i, cfg: Config, nk: int):

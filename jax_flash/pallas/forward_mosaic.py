@@ -67,6 +67,8 @@ def check(cfg: Config, shape, dtype, o_dtype=None) -> str | None:
     ``[B, T, H, D]``, as ``forward`` receives it."""
     if cfg.policy.name != "fa2" or not cfg.policy.log2_units:
         return f"policy {cfg.policy.name!r} (only 'fa2')"
+    if cfg.stable and cfg.tie_top2:
+        return "tie_top2 (its reduction has no Mosaic GPU lowering)"
     if len(shape) != 4:
         return f"rank {len(shape)} (expected [B, T, H, D])"
     _, t, _, d = shape
