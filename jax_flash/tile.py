@@ -15,6 +15,8 @@ same either way.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import NamedTuple
@@ -95,6 +97,12 @@ class Config:
     # without the count's serial chain between the row max and the exps (docs/PERF_NOTES.md v17).
     # Triton kernels and the jnp executor; the Mosaic GPU forward does not lower it.
     tie_top2: bool = False
+    # Pallas Triton forward: exp2 as PTX ``ex2.approx.ftz.f32`` (tuning field "exp2_ftz"; "fa2"-style
+    # log2-unit policies). The hardware exp2 either way; without ftz the compiler wraps each one in
+    # a compare and two multiplies for subnormal results (P̄ < 2⁻¹²⁶), which compete with the stable
+    # shift's compares for the ALU and FMA pipes (docs/PERF_NOTES.md v17). Same values except
+    # results below 2⁻¹²⁶, which become 0; interpret mode and the jnp executor keep jnp.exp2.
+    exp2_ftz: bool = False
 
     def __post_init__(self):
         pol = self.policy
@@ -167,8 +175,30 @@ def _round_o(x, pol: Policy, salt: int):
     return round_to(x, pol.lp_dtype)
 
 
-def _exp(x, pol):
-    return jnp.exp2(x) if pol.log2_units else jnp.exp(x)
+_TRITON_BODY = contextvars.ContextVar("jax_flash_triton_body", default=False)
+
+
+@contextlib.contextmanager
+def triton_body(enabled: bool = True):
+    """Inside a compiled Pallas Triton kernel body (``pallas.common.kernel_body``): PTX may be
+    inlined (``_exp(…, ftz=True)``)."""
+    token = _TRITON_BODY.set(enabled)
+    try:
+        yield
+    finally:
+        _TRITON_BODY.reset(token)
+
+
+def _exp(x, pol, ftz=False):
+    if not pol.log2_units:
+        return jnp.exp(x)
+    if ftz and _TRITON_BODY.get():
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.elementwise_inline_asm(
+            "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+    return jnp.exp2(x)
 
 
 def _log(x: float, pol) -> float:
@@ -325,18 +355,19 @@ def softmax_update(carry: Carry, s, mask, cfg: Config, floor=jnp.floor):
         m_raw = jnp.maximum(m_raw, r_m)
     m_ref = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing unmasked yet: avoid -inf - -inf
     rnd = (lambda x: round_to(x, pol.lp_dtype)) if pol.round_shifted else (lambda x: x)
-    alpha = _exp(rnd(m_old - m_ref), pol)
+    ftz = cfg.exp2_ftz
+    alpha = _exp(rnd(m_old - m_ref), pol, ftz)
     if cfg.stable and cfg.shift_factor:
         # exps against the baseline's shift (they need not wait for the tie count), the stable shift
         # then as a factor ≤ 1 per row: exactly 1 (the same bits) where it moved nothing
         m_base = jnp.maximum(m_old, r_m)
         m_base = jnp.where(m_base == NEG_INF, 0.0, m_base)
-        p = _exp(s - m_base[:, None], pol)
-        factor = jnp.where(m_ref != m_base, _exp(m_base - m_ref, pol), 1.0)
+        p = _exp(s - m_base[:, None], pol, ftz)
+        factor = jnp.where(m_ref != m_base, _exp(m_base - m_ref, pol, ftz), 1.0)
         tile_sum = factor * jnp.sum(p, axis=1)
         p = p * factor[:, None]
     else:
-        p = _exp(rnd(s - m_ref[:, None]), pol)  # masked entries: exp(-inf) = 0
+        p = _exp(rnd(s - m_ref[:, None]), pol, ftz)  # masked entries: exp(-inf) = 0
         tile_sum = jnp.sum(p, axis=1)
     if pol.tile_sum_floor:
         # The authors clamp every tile sum; rows with no unmasked entry in the tile are skipped tiles here.

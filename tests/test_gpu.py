@@ -177,6 +177,35 @@ def test_gpu_tie_top2_on_tied_rows(rng):
     np.testing.assert_array_equal(l_t, l_c)
 
 
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_exp2_ftz_same_values(rng, stable):
+    """The forward's exps as ``ex2.approx.ftz.f32`` (``Config.exp2_ftz``), compiled at the shipped
+    D = 64 launch: the hardware exp2 as before, so O and L are bitwise the library exp2's — on random
+    rows, tied rows, and rows whose other scores sit far enough below a dominant one that their P̄
+    are subnormal (flushed to 0 here: below anything ℓ ≥ 2·e⁻²⁰ or a BF16 O can show)."""
+    from test_forward_mosaic import tied_qkv
+
+    from jax_flash.pallas import tuning
+
+    shape = (2, 1024, 4, 64)
+    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (300, 301)))
+    # rows past 600: a dominant key 4.5·20 = 90 nats above the tied ones, whose P̄ ≈ 2⁻¹³⁰ are subnormal
+    k = k.at[:, 600].set(k[:, 3] * 5.5)
+    base = {"block_q": 64, "block_k": 64, "split_diagonal": True, "prefetch_scores": True,
+            "fwd": {"num_warps": 4, "num_stages": 3}}
+    outs = []
+    for extra in ({}, {"exp2_ftz": True}):
+        with tuning.override({**base, **extra}):
+            o, lse = jax.jit(lambda q, k, v: jf.attention_with_lse(q, k, v, causal=True, stable=stable,
+                                                                  impl="pallas"))(q, k, v)
+        outs.append((np.asarray(o, np.float32), np.asarray(lse)))
+    (o_l, l_l), (o_f, l_f) = outs
+    print(f"ftz vs libdevice exp2: O bitwise {100 * np.mean(o_f == o_l):.4f} %, L {100 * np.mean(l_f == l_l):.4f} %")
+    assert np.all(np.isfinite(o_f)) and np.all(np.isfinite(l_f))
+    np.testing.assert_array_equal(o_f, o_l)
+    np.testing.assert_array_equal(l_f, l_l)
+
+
 # ---------------------------------------------------------------- the Mosaic GPU forward (opt-in)
 MOSAIC_SHAPES = [(2, 1024, 4, 64), (1, 2048, 2, 128)]
 

@@ -28,3 +28,15 @@ def test_top2_tie_test_has_no_per_entry_count():
     extra = triton_ops.difference(base, top2)
     assert extra.get("arith.cmpf") == 2 * 2  # per body: second ≥ threshold, over > 0 (no per-entry compare)
     assert "tt.broadcast" not in extra and "tt.expand_dims" not in extra  # no [rows, keys] threshold
+
+
+def test_exp2_ftz_replaces_the_library_exp2():
+    """``exp2_ftz``: the forward's exps (P̄ and α, in both loop bodies) become one inline
+    ``ex2.approx.ftz.f32`` each instead of libdevice's exp2 (whose subnormal handling costs a compare
+    and two multiplies per entry); nothing else changes."""
+    for kind in ("base", "stable"):
+        plain, ftz = (triton_ops.op_counts(**triton_ops.VARIANTS[n]) for n in (kind, kind + "+ftz"))
+        assert triton_ops.difference(plain, ftz) == {"tt.elementwise_inline_asm": 2 * 2,
+                                                       "tt.extern_elementwise": -2 * 2}
+    text = triton_ops.module_text(**triton_ops.VARIANTS["stable+ftz"])
+    assert text.count("ex2.approx.ftz.f32") == 2 * 2 and "exp2" not in text.replace("ex2.approx", "")

@@ -6,6 +6,7 @@ import functools
 
 import jax
 
+from .. import tile
 from ..rounding import native_casts
 
 
@@ -21,7 +22,8 @@ def kernel_body(fn):
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with native_casts(not interpret_mode()):
+        compiled = not interpret_mode()
+        with native_casts(compiled), tile.triton_body(compiled):
             return fn(*args, **kwargs)
 
     return wrapped
