@@ -28,7 +28,9 @@ VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
             "stable+int": dict(stable=True, tie_count_int=True),
             "stable+factor": dict(stable=True, shift_factor=True),
             "stable+top2": dict(stable=True, tie_top2=True),
-            "base+ftz": dict(stable=False, exp2_ftz=True), "stable+ftz": dict(stable=True, exp2_ftz=True)}
+            "base+ftz": dict(stable=False, exp2_ftz=True), "stable+ftz": dict(stable=True, exp2_ftz=True),
+            "base+ftz+late": dict(stable=False, exp2_ftz=True, scale_late=True),
+            "stable+ftz+late": dict(stable=True, exp2_ftz=True, scale_late=True)}
 _OPS = re.compile(r"= ((?:arith|tt|math)\.[a-z_]+)")
 FREE = ("arith.constant", "tt.splat")  # constants, and scalars splatted to tiles (no per-entry work)
 

@@ -147,7 +147,8 @@ def _make_config(q, k, v, *, causal, stable, beta, sm_scale, policy, delta, impl
                  tie_count_int=bool(tuned.get("tie_count_int")),
                  shift_factor=bool(tuned.get("shift_factor")),
                  tie_top2=bool(tuned.get("tie_top2")),
-                 exp2_ftz=bool(tuned.get("exp2_ftz")))
+                 exp2_ftz=bool(tuned.get("exp2_ftz")),
+                 scale_late=bool(tuned.get("scale_late")))
     if impl == "pallas" and jax.default_backend() == "gpu" and \
             2 * cfg.block_k * head_dim * pol.operand_dtype.itemsize > MAX_KV_TILE_BYTES:
         # K and V tiles must both fit in shared memory (H200: 227 KiB per block).

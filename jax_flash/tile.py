@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .policy import LOG2E, MAX_SHIFT_NATS, Policy
@@ -103,17 +104,31 @@ class Config:
     # shift's compares for the ALU and FMA pipes (docs/PERF_NOTES.md v17). Same values except
     # results below 2⁻¹²⁶, which become 0; interpret mode and the jnp executor keep jnp.exp2.
     exp2_ftz: bool = False
+    # The forward keeps the scores unscaled (q·kᵀ in FP32; tuning field "scale_late"; policies
+    # without score rounding): the row max is scale·max(q·kᵀ) — the same value as the max of the
+    # scaled scores, rounding being monotone — the exps take scale·s − m, which a GPU compiler fuses
+    # into one FMA, and the tie test compares q·kᵀ against the threshold divided by the scale
+    # (``tie_count``). So no multiply per score is left, in base and stable alike. The tie test's
+    # boundary moves by at most an ulp or two of the threshold (docs/PERF_NOTES.md v17c).
+    scale_late: bool = False
 
     def __post_init__(self):
         pol = self.policy
         if self.shift_factor and (pol.round_shifted or pol.lp_accumulators or pol.tile_sum_floor):
             raise ValueError(f"shift_factor needs FP32 accumulators and unrounded exponents; policy "
                              f"{pol.name!r} has its own rounding points for the shift")
+        if self.scale_late and (pol.round_scores or pol.round_shifted):
+            raise ValueError(f"scale_late needs unrounded scores; policy {pol.name!r} rounds them")
 
     @property
     def score_scale(self) -> float:
         """Multiplier from raw q·k to the policy's score units."""
         return self.sm_scale * (LOG2E if self.policy.log2_units else 1.0)
+
+    @property
+    def score_scale_inv(self) -> float:
+        """1 / score_scale rounded to FP32 (``tie_count`` under ``scale_late``)."""
+        return float(np.float32(1.0 / self.score_scale))
 
     @property
     def max_shift(self) -> float:
@@ -232,7 +247,7 @@ def tie_threshold(r_m, cfg: Config):
     return jnp.maximum(r_m, _LOWEST) + _log(1.0 - eps / 4.0, pol)
 
 
-def tie_count(s, mask, r_m, cfg: Config):
+def tie_count(s, mask, r_m, cfg: Config, raw: bool = False):
     """Per row, the number of unmasked entries "at the max" r_m (masked entries never count;
     ``mask=None``: a tile without masked entries, or one whose masked entries are −inf in ``s``).
 
@@ -241,9 +256,14 @@ def tie_count(s, mask, r_m, cfg: Config):
     ``S ≥ bf16(r_m − 1e-3)`` on BF16 scores.
 
     Both are one compare per entry against a per-row threshold (``tie_threshold``): the count is the
-    stable forward's only per-entry extra work (docs/PERF_NOTES.md v8).
+    stable forward's only per-entry extra work (docs/PERF_NOTES.md v8). ``raw``: ``s`` holds unscaled
+    scores (``Config.scale_late``), compared against the threshold times 1/scale (FP32), kept finite
+    so that −inf (masked) entries never count.
     """
-    at_max = s >= tie_threshold(r_m, cfg)[:, None]
+    threshold = tie_threshold(r_m, cfg)
+    if raw:
+        threshold = jnp.maximum(threshold * cfg.score_scale_inv, _LOWEST)
+    at_max = s >= threshold[:, None]
     if mask is not None:
         at_max = mask & at_max
     if cfg.tie_count_int:
@@ -274,7 +294,7 @@ def floor_positive(y):
     return jnp.where(y >= 2.0 ** 23, y, y.astype(jnp.int32).astype(jnp.float32))
 
 
-def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor, second=None):
+def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor, second=None, raw=False):
     """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
 
     Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
@@ -288,14 +308,15 @@ def stable_shift(s, mask, r_m, cfg: Config, floor=jnp.floor, second=None):
     docs/NUMERICS.md). Folding keeps it varying with r_m. ``floor`` only ever sees y > 0 where its
     result is used (``floor_positive`` does for backends without a floor). ``second``: the rows'
     second largest scores (``row_top2``); given, "≥ 2 ties" is ``second ≥ threshold`` — the same
-    decision as ``tie_count(...) > 1`` (``s`` and ``mask`` are then unused).
+    decision as ``tie_count(...) > 1`` (``s`` and ``mask`` are then unused). ``raw``: ``s`` unscaled
+    (``Config.scale_late``; r_m and ``second`` are scaled).
 
     Written with as few operations per row as give these values; on the GPU they run beside the tie
     count, whose chain is the stable forward's whole extra time (docs/PERF_NOTES.md v16).
     """
     pol = cfg.policy
     if second is None:
-        tied = tie_count(s, mask, r_m, cfg) > 1
+        tied = tie_count(s, mask, r_m, cfg, raw) > 1
     else:  # ≥ 2 entries reach the threshold ⟺ the second largest does (the largest, r_m, always does)
         tied = second >= tie_threshold(r_m, cfg)
     # m is stored in BF16 by the authors' kernel ("paper"), in FP32 otherwise.
@@ -322,14 +343,20 @@ def init_carry(bq: int, d: int, cfg: Config) -> Carry:
                  jnp.zeros((bq, d), jnp.float32), m_raw)
 
 
+def forward_scores(q, k, cfg: Config):
+    """The scores as the forward's softmax takes them: ``scores``, or unscaled q·kᵀ under
+    ``Config.scale_late``."""
+    return dot_nt(q, k, cfg.policy) if cfg.scale_late else scores(q, k, cfg)
+
+
 def forward_tile(carry: Carry, q, k, v, mask, cfg: Config) -> Carry:
     """One online-softmax update of (m, ℓ, acc) with key tile (k, v); ``mask=None``: nothing masked."""
-    return forward_tile_from_scores(carry, scores(q, k, cfg), v, mask, cfg)
+    return forward_tile_from_scores(carry, forward_scores(q, k, cfg), v, mask, cfg)
 
 
 def forward_tile_from_scores(carry: Carry, s, v, mask, cfg: Config) -> Carry:
-    """``forward_tile`` given the tile's scores ``s = scores(q, k, cfg)`` (computed ahead by a kernel
-    that overlaps them with the previous tile's softmax)."""
+    """``forward_tile`` given the tile's scores ``s = forward_scores(q, k, cfg)`` (computed ahead by a
+    kernel that overlaps them with the previous tile's softmax)."""
     pol = cfg.policy
     m_new, l_new, alpha, p_bar, m_raw = softmax_update(carry, s, mask, cfg)
     return Carry(m_new, l_new, accumulate(carry.acc, alpha, dot_nn(p_bar, v, pol), pol), m_raw)
@@ -338,7 +365,8 @@ def forward_tile_from_scores(carry: Carry, s, v, mask, cfg: Config) -> Carry:
 def softmax_update(carry: Carry, s, mask, cfg: Config, floor=jnp.floor):
     """The online-softmax part of one tile step, everything but the P̄·V product:
     (m_new, ℓ_new, α, P̄ as the P̄·V operand, m_raw). A kernel that issues P̄·V itself (the Mosaic GPU
-    forward's wgmma) finishes with ``accumulate``; ``floor``: see ``stable_shift``."""
+    forward's wgmma) finishes with ``accumulate``; ``floor``: see ``stable_shift``. ``s`` is
+    ``forward_scores``' (unscaled under ``Config.scale_late``)."""
     pol = cfg.policy
     m_old, l_old, _, m_raw = carry
     if mask is not None:
@@ -347,8 +375,15 @@ def softmax_update(carry: Carry, s, mask, cfg: Config, floor=jnp.floor):
         r_m, second = row_top2(s)
     else:
         r_m, second = jnp.max(s, axis=1), None
+    raw = cfg.scale_late
+    if raw:  # max(scale·s) = scale·max(s) exactly (rounding is monotone, scale > 0)
+        r_m = r_m * cfg.score_scale
+        second = None if second is None else second * cfg.score_scale
+        shifted_by = lambda m: s * cfg.score_scale - m[:, None]  # one FMA where the compiler fuses
+    else:
+        shifted_by = lambda m: s - m[:, None]
     # masked entries are −inf in s by now and never reach a tie threshold: no mask needed in the count
-    m_tile = stable_shift(s, None, r_m, cfg, floor, second=second) if cfg.stable else r_m
+    m_tile = stable_shift(s, None, r_m, cfg, floor, second=second, raw=raw) if cfg.stable else r_m
     m_new = jnp.maximum(m_old, m_tile)
     floor_vs_shift = _floor_vs_shift(cfg)
     if floor_vs_shift:
@@ -362,12 +397,12 @@ def softmax_update(carry: Carry, s, mask, cfg: Config, floor=jnp.floor):
         # then as a factor ≤ 1 per row: exactly 1 (the same bits) where it moved nothing
         m_base = jnp.maximum(m_old, r_m)
         m_base = jnp.where(m_base == NEG_INF, 0.0, m_base)
-        p = _exp(s - m_base[:, None], pol, ftz)
+        p = _exp(shifted_by(m_base), pol, ftz)
         factor = jnp.where(m_ref != m_base, _exp(m_base - m_ref, pol, ftz), 1.0)
         tile_sum = factor * jnp.sum(p, axis=1)
         p = p * factor[:, None]
     else:
-        p = _exp(rnd(s - m_ref[:, None]), pol, ftz)  # masked entries: exp(-inf) = 0
+        p = _exp(rnd(shifted_by(m_ref)), pol, ftz)  # masked entries: exp(-inf) = 0
         tile_sum = jnp.sum(p, axis=1)
     if pol.tile_sum_floor:
         # The authors clamp every tile sum; rows with no unmasked entry in the tile are skipped tiles here.

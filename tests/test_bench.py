@@ -236,6 +236,7 @@ def test_shipped_ab_entries_build_their_configs(monkeypatch):
             assert cfg.shift_factor == bool(entry.get("shift_factor")), name
             assert cfg.tie_top2 == bool(entry.get("tie_top2")), name
             assert cfg.exp2_ftz == bool(entry.get("exp2_ftz")), name
+            assert cfg.scale_late == bool(entry.get("scale_late")), name
             if "dq" in entry:
                 assert cfg.dq_launch == (entry["dq"]["num_warps"], entry["dq"]["num_stages"]), name
             for field in ("bwd_block", "dq_block"):

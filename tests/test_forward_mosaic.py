@@ -213,6 +213,34 @@ def test_interpreted_kernel_matches_jnp_executor(rng, shape, block_k, causal, st
 
 
 @needs_interpreter
+@pytest.mark.parametrize("stable", [False, True])
+def test_interpreted_scale_late_matches_jnp_executor(rng, stable):
+    """``scale_late`` inside the kernel (the accumulator's unscaled scores: the row max scaled after
+    the reduction, the tie threshold divided by the scale, scale·s − m for the exps): O and L as the
+    jnp executor's with the same Config, as in test_interpreted_kernel_matches_jnp_executor, but
+    fewer of them bitwise: XLA fuses scale·s − m into one FMA in one program and not always in the
+    other (the compiled GPU kernels always do), so P̄'s last bits differ in a few rows."""
+    import dataclasses
+
+    shape = (1, 256, 2, 64)
+    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (130, 140)))
+    cfg = dataclasses.replace(make_cfg(256, 64, stable=stable), scale_late=True)
+    o, lse = _interpreted(q, k, v, cfg)
+    oj, lj = jnp_impl.forward(q, k, v, cfg)
+    oj = np.asarray(jnp.asarray(oj).astype(BF16), np.float32)
+    assert np.mean(o == oj) >= 0.9
+    row_max = np.max(np.maximum(np.abs(o), np.abs(oj)), axis=-1, keepdims=True)
+    assert np.all(np.abs(o - oj) <= 2 ** -5 * row_max)
+    np.testing.assert_allclose(lse, np.asarray(lj), rtol=1e-6, atol=1e-5)
+    ref = jf.reference_numpy(q, k, v, causal=True)
+    err, err_j = (float(np.linalg.norm(x - ref) / np.linalg.norm(ref)) for x in (o, oj))
+    assert err <= 1.05 * err_j + 1e-6
+    if stable:  # the shift fired: tied rows differ from the unshifted forward
+        o_b, _ = jnp_impl.forward(q, k, v, dataclasses.replace(cfg, stable=False))
+        assert np.any(np.asarray(jnp.asarray(o_b).astype(BF16), np.float32) != oj)
+
+
+@needs_interpreter
 def test_interpreted_stable_shifts_tie_rows(rng):
     """stable=True on tied rows: the same shifted result as the jnp executor, and different from the
     unshifted kernel on those rows (the shift ran inside the kernel)."""

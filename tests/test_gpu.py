@@ -206,6 +206,44 @@ def test_gpu_exp2_ftz_same_values(rng, stable):
     np.testing.assert_array_equal(l_f, l_l)
 
 
+@pytest.mark.parametrize("entry", [
+    {"block_q": 64, "block_k": 64, "split_diagonal": True, "prefetch_scores": True, "exp2_ftz": True,
+     "fwd": {"num_warps": 4, "num_stages": 3}},
+    {"block_q": 64, "block_k": 128, "fwd_kernel": "mosaic", "shift_factor": True}], ids=["triton", "mosaic"])
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_scale_late_on_tied_rows(rng, entry, stable):
+    """Unscaled scores in the compiled forward (``Config.scale_late``), Triton and Mosaic kernels, on
+    tied rows: O within the last bits of the scaled form's (the row max is the same value; the exps'
+    FMA and the tie threshold's division move last bits), L within FP32 rounding, as accurate against
+    float64, and — stable — the shift still firing where the scaled form's does."""
+    from test_forward_mosaic import tied_qkv
+
+    from jax_flash.pallas import tuning
+
+    d = 64 if entry["block_k"] == 64 else 128
+    shape = (2, 1024, 4, d)
+    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (300, 301)))
+    ref = jf.reference_numpy(q, k, v, causal=True)
+    outs = []
+    for extra in ({}, {"scale_late": True}):
+        with tuning.override({**entry, **extra}):
+            o, lse = jax.jit(lambda q, k, v: jf.attention_with_lse(q, k, v, causal=True, stable=stable,
+                                                                  impl="pallas"))(q, k, v)
+        outs.append((np.asarray(o, np.float32), np.asarray(lse)))
+    (o_s, l_s), (o_l, l_l) = outs
+    row = np.abs(o_s).max(-1, keepdims=True)
+    print(f"scale_late vs scaled: O bitwise {100 * np.mean(o_l == o_s):.3f} %, max |Δ|/row "
+          f"{np.max(np.abs(o_l - o_s) / row):.2e}; rel err {rel(o_l, ref):.3e} (scaled {rel(o_s, ref):.3e})")
+    assert np.mean(o_l == o_s) >= 0.9 and np.all(np.abs(o_l - o_s) <= 2.0 ** -5 * row)
+    np.testing.assert_allclose(l_l, l_s, rtol=1e-6, atol=1e-5)
+    assert rel(o_l, ref) <= 1.05 * rel(o_s, ref) + 1e-6
+    if stable:
+        with tuning.override({**entry, "scale_late": True}):
+            o_b = np.asarray(jax.jit(lambda q, k, v: jf.attention(q, k, v, causal=True, stable=False,
+                                                                  impl="pallas"))(q, k, v), np.float32)
+        assert np.mean(np.any(o_b != o_l, -1)) > 0.5  # the shift fired on the tied rows
+
+
 # ---------------------------------------------------------------- the Mosaic GPU forward (opt-in)
 MOSAIC_SHAPES = [(2, 1024, 4, 64), (1, 2048, 2, 128)]
 

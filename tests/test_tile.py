@@ -238,6 +238,50 @@ def test_top2_decides_as_the_count(rng, policy):
     assert moved.sum() >= 20 and (~moved[ok & np.isfinite(first)]).sum() >= 20
 
 
+@pytest.mark.parametrize("sm_scale", [0.125, 64 ** -0.5 * 1.1, 3.0])
+def test_scale_late_row_max_and_tie_test(rng, sm_scale):
+    """``scale_late``: scale·max(s) is bitwise max(scale·s) on every row (monotone rounding; −inf,
+    +inf and −0 rows included), and the raw tie count differs from the scaled one only in entries
+    whose scaled score lies within 2 ulps of the threshold (near-ties placed on and around it);
+    masked (−inf) entries never count, in rows with finite entries or none."""
+    import dataclasses
+
+    cfg = dataclasses.replace(config("fa2"), sm_scale=sm_scale)
+    late = dataclasses.replace(cfg, scale_late=True)
+    c = np.float32(cfg.score_scale)
+    bq, bk = 128, 32
+    raw = (rng.standard_normal((bq, bk)) * rng.choice([0.01, 1.0, 30.0, 1e4], (bq, 1))).astype(np.float32)
+    top = raw.max(axis=1)
+    thr = np.asarray(tile.tie_threshold(jnp.asarray(top * c, jnp.float32), cfg))
+    r = np.arange(bq)
+    # near-ties: raw values whose scaled value lands on, just above and just below the threshold
+    for j, steps in enumerate((-2, -1, 0, 1, 2)):
+        x = (thr / c).astype(np.float32)
+        for _ in range(abs(steps)):
+            x = np.nextafter(x, np.float32(np.sign(steps) * np.inf)).astype(np.float32)
+        raw[r % 7 == j, 1 + j] = np.minimum(x, top)[r % 7 == j]
+    raw[r % 16 == 15] = -np.inf
+    raw[r % 16 == 14, 3:] = -np.inf
+    raw[r % 32 == 13, :2] = np.inf
+    raw[r % 32 == 29, 0] = -0.0
+    s_raw = jnp.asarray(raw)
+    s = s_raw * c
+    np.testing.assert_array_equal(np.asarray(jnp.max(s_raw, axis=1) * c), np.asarray(jnp.max(s, axis=1)))
+    r_m = jnp.max(s, axis=1)
+    n_scaled = np.asarray(tile.tie_count(s, None, r_m, cfg))
+    n_raw = np.asarray(tile.tie_count(s_raw, None, r_m, late, raw=True))
+    assert np.all(n_raw[r % 16 == 15] == 0) and np.all(n_raw[r % 16 == 14] <= 3)
+    differ = n_raw != n_scaled
+    if differ.any():
+        sc, th = np.asarray(s)[differ], np.asarray(tile.tie_threshold(r_m, cfg))[differ, None]
+        near = np.abs(sc - th) <= 2 * np.spacing(np.abs(th).astype(np.float32))
+        mismatch = (sc >= th) != (np.asarray(s_raw)[differ] >= (th * np.float32(cfg.score_scale_inv)))
+        assert np.all(near[mismatch]), "a tie decision moved away from the threshold"
+    assert np.mean(differ) < 0.1 and (n_scaled >= 2).sum() >= 10
+    with pytest.raises(ValueError, match="scale_late"):
+        dataclasses.replace(config("paper"), scale_late=True)
+
+
 def test_guarded_shift_keeps_o_unbiased(rng):
     """Where the paper's shift would move a tied row's max by more than the guard's 20 nats — β = 7
     with r_m ~ U(6, 10) (offset 6·r_m ≥ 36), β = 2 with r_m ~ U(25, 30) — the "fa2" stable O stays

@@ -68,12 +68,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int
         # tile j's scores came with the carry; tile j + 1's are computed first (the last tile
         # recomputes its own, unused), so their MMA can overlap tile j's softmax
         state, s = carry
-        s_next = tile.scores(q, load(k_ref, jnp.minimum(j + 1, n - 1)), cfg)
+        s_next = tile.forward_scores(q, load(k_ref, jnp.minimum(j + 1, n - 1)), cfg)
         return tile.forward_tile_from_scores(state, s, load(v_ref, j), mask, cfg), s_next
 
     if cfg.prefetch_scores:
         n = _num_kv_tiles(i, cfg, nk)
-        init = (tile.init_carry(bq, d, cfg), tile.scores(q, load(k_ref, 0), cfg))
+        init = (tile.init_carry(bq, d, cfg), tile.forward_scores(q, load(k_ref, 0), cfg))
         carry = kv_loop(i, cfg, nk, body_prefetch, init)[0]
     else:
         carry = kv_loop(i, cfg, nk, body, tile.init_carry(bq, d, cfg))

@@ -153,7 +153,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: in
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            s = s * cfg.score_scale  # tile.scores for "fa2"
+            if not cfg.scale_late:  # tile.forward_scores for "fa2"
+                s = s * cfg.score_scale
             mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, bk, cfg) if masked else None
             m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
                                                                 floor=tile.floor_positive)
