@@ -209,7 +209,8 @@ def test_gpu_exp2_ftz_same_values(rng, stable):
 @pytest.mark.parametrize("entry", [
     {"block_q": 64, "block_k": 64, "split_diagonal": True, "prefetch_scores": True, "exp2_ftz": True,
      "fwd": {"num_warps": 4, "num_stages": 3}},
-    {"block_q": 64, "block_k": 128, "fwd_kernel": "mosaic", "shift_factor": True}], ids=["triton", "mosaic"])
+    {"block_q": 64, "block_k": 128, "fwd_kernel": "mosaic", "shift_factor": True},
+    {"block_q": 64, "block_k": 128, "fwd_kernel": "mosaic"}], ids=["triton", "mosaic-factor", "mosaic"])
 @pytest.mark.parametrize("stable", [False, True])
 def test_gpu_scale_late_on_tied_rows(rng, entry, stable):
     """Unscaled scores in the compiled forward (``Config.scale_late``), Triton and Mosaic kernels, on
