@@ -13,7 +13,10 @@ values, see ``tile.Config``; ``fwd_kernel``: ``"mosaic"`` runs the Hopper forwar
 ``forward_mosaic.py``; ``bwd_kernel``: ``"mosaic"`` / ``"mosaic_dkdv"`` the Hopper backward of
 ``backward_mosaic.py`` (both kernels / dK/dV only) — the same rounding points, MMA summation
 orders their own; ``tie_count_int``: the stable forward counts ties in int32 — the same counts; ``shift_factor``: the
-stable shift as a per-row factor after the exps — equal in real arithmetic, see ``tile.Config``). The key tile size changes the numerics (the online-softmax
+stable shift as a per-row factor after the exps — equal in real arithmetic, see ``tile.Config``;
+``tie_top2``: "≥ 2 ties" from the row's two largest scores — the same decisions; ``exp2_ftz``: the
+Triton forward's exps without the subnormal fix-up; ``scale_late``: the forward's scores unscaled,
+the scale folded into the exps' FMA — last bits, see ``tile.Config`` and docs/NUMERICS.md). The key tile size changes the numerics (the online-softmax
 rescaling); the tuner keeps "paper" at its 512-wide key tiles.
 """
 
