@@ -173,6 +173,17 @@ needs_interpreter = pytest.mark.skipif(
     reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
 
 
+def assert_matches_jnp(o, lse, oj, lj, min_same=0.99):
+    """An interpreted kernel's (O, L) against the jnp executor's under the same Config: O bitwise in
+    ≥ ``min_same`` of its elements, the rest within 4 BF16 ulps of the row's largest output (an FP32
+    last bit of a score or r_m moves a shifted row's m, β·r_m, and with it the rounding of every P̄ of
+    the row; a wrong tile or mask moves O by O), L within FP32 rounding."""
+    assert np.mean(o == oj) >= min_same
+    row_max = np.max(np.maximum(np.abs(o), np.abs(oj)), axis=-1, keepdims=True)
+    assert np.all(np.abs(o - oj) <= 2 ** -5 * row_max)
+    np.testing.assert_allclose(lse, np.asarray(lj), rtol=1e-6, atol=1e-5)
+
+
 def _interpreted(q, k, v, cfg):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
@@ -202,13 +213,7 @@ def test_interpreted_kernel_matches_jnp_executor(rng, shape, block_k, causal, st
     err, err_j = (float(np.linalg.norm(x - ref) / np.linalg.norm(ref)) for x in (o, oj))
     print(f"{shape} bk={block_k} causal={causal} stable={stable}: bitwise {100 * same:.3f} %, "
           f"max |Δ| {np.abs(o - oj).max():.2e}, rel err {err:.3e} (jnp {err_j:.3e})")
-    assert same >= 0.99
-    # within 4 BF16 ulps of the row's largest output: an FP32 last bit of a score or r_m moves a
-    # shifted row's m (β·r_m), and with it the rounding of every P̄ of the row (seen: single rows,
-    # most outputs 1–2 ulps apart, on both sides of float64); a wrong tile or mask moves O by O
-    row_max = np.max(np.maximum(np.abs(o), np.abs(oj)), axis=-1, keepdims=True)
-    assert np.all(np.abs(o - oj) <= 2 ** -5 * row_max)
-    np.testing.assert_allclose(lse, np.asarray(lj), rtol=1e-6, atol=1e-5)
+    assert_matches_jnp(o, lse, oj, lj)  # (seen: single rows, most outputs 1–2 ulps apart)
     assert err <= 1.05 * err_j + 1e-6
 
 
@@ -228,10 +233,7 @@ def test_interpreted_scale_late_matches_jnp_executor(rng, stable):
     o, lse = _interpreted(q, k, v, cfg)
     oj, lj = jnp_impl.forward(q, k, v, cfg)
     oj = np.asarray(jnp.asarray(oj).astype(BF16), np.float32)
-    assert np.mean(o == oj) >= 0.9
-    row_max = np.max(np.maximum(np.abs(o), np.abs(oj)), axis=-1, keepdims=True)
-    assert np.all(np.abs(o - oj) <= 2 ** -5 * row_max)
-    np.testing.assert_allclose(lse, np.asarray(lj), rtol=1e-6, atol=1e-5)
+    assert_matches_jnp(o, lse, oj, lj, min_same=0.9)
     ref = jf.reference_numpy(q, k, v, causal=True)
     err, err_j = (float(np.linalg.norm(x - ref) / np.linalg.norm(ref)) for x in (o, oj))
     assert err <= 1.05 * err_j + 1e-6

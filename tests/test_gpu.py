@@ -123,31 +123,49 @@ def test_gpu_ab_entries_same_values(rng, name, entry):
         assert same >= 0.99 and rel(a, b) < 1e-3, (name, what)
 
 
+def forward_under(entries, q, k, v, stable=True):
+    """(O as FP32, L) of the compiled causal Pallas forward under each tuning entry, in turn."""
+    from jax_flash.pallas import tuning
+
+    outs = []
+    for entry in entries:
+        with tuning.override(entry):  # read at trace time: a fresh jit per entry
+            o, lse = jax.jit(lambda q, k, v: jf.attention_with_lse(q, k, v, causal=True, stable=stable,
+                                                                  impl="pallas"))(q, k, v)
+        outs.append((np.asarray(o, np.float32), np.asarray(lse)))
+    return outs
+
+
+def assert_forms_agree(name, first, second, ref, min_same):
+    """Two forms' (O, L) on the same inputs: O bitwise in ≥ ``min_same`` of its elements, the rest
+    within 2⁻⁵ of the row's largest output (a shifted row's P̄ all move with one last bit of m); L
+    within FP32 rounding; the second as accurate against ``ref`` as the first."""
+    (o_a, l_a), (o_b, l_b) = first, second
+    row = np.abs(o_a).max(-1, keepdims=True)
+    print(f"{name}: O bitwise {100 * np.mean(o_b == o_a):.3f} %, max |Δ|/row "
+          f"{np.max(np.abs(o_b - o_a) / row):.2e}; rel err {rel(o_b, ref):.3e} (first {rel(o_a, ref):.3e})")
+    assert np.mean(o_b == o_a) >= min_same and np.all(np.abs(o_b - o_a) <= 2.0 ** -5 * row)
+    np.testing.assert_allclose(l_b, l_a, rtol=1e-6, atol=1e-5)
+    assert rel(o_b, ref) <= 1.05 * rel(o_a, ref) + 1e-6
+
+
+# the shipped 32×1024 launch (jax_flash/pallas/tuning.json "fa2/d64/t1024/causal", before its numerics fields)
+D64 = {"block_q": 64, "block_k": 64, "split_diagonal": True, "prefetch_scores": True,
+       "fwd": {"num_warps": 4, "num_stages": 3}}
+
+
 def test_gpu_shift_factor_on_tied_rows(rng):
     """The stable shift as a per-row factor (``Config.shift_factor``), compiled, on rows with tied
     maxima (where the count decides shifts): within a few BF16 ulps of the direct form, as accurate
     against float64, L as the direct form's."""
     from test_forward_mosaic import tied_qkv
 
-    from jax_flash.pallas import tuning
-
     shape = (1, 2048, 2, 128)
     q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (700, 900)))
     ref = jf.reference_numpy(q, k, v, causal=True)
     base = {"block_q": 64, "block_k": 128, "fwd_kernel": "mosaic"}
-    outs = []
-    for extra in ({}, {"shift_factor": True}):
-        with tuning.override({**base, **extra}):
-            o, lse = jax.jit(lambda q, k, v: jf.attention_with_lse(q, k, v, causal=True, stable=True,
-                                                                  impl="pallas"))(q, k, v)
-        outs.append((np.asarray(o, np.float32), np.asarray(lse)))
-    (o_d, l_d), (o_f, l_f) = outs
-    row = np.abs(o_d).max(-1, keepdims=True)
-    print(f"factor vs direct: bitwise {100 * np.mean(o_f == o_d):.3f} %, max |Δ|/row "
-          f"{np.max(np.abs(o_f - o_d) / row):.2e}; rel err {rel(o_f, ref):.3e} (direct {rel(o_d, ref):.3e})")
-    assert np.mean(o_f == o_d) >= 0.99 and np.all(np.abs(o_f - o_d) <= 2.0 ** -5 * row)
-    np.testing.assert_allclose(l_f, l_d, rtol=1e-6, atol=1e-5)
-    assert rel(o_f, ref) <= 1.05 * rel(o_d, ref) + 1e-6
+    assert_forms_agree("factor vs direct", *forward_under([base, {**base, "shift_factor": True}], q, k, v),
+                       ref, min_same=0.99)
 
 
 def test_gpu_tie_top2_on_tied_rows(rng):
@@ -156,18 +174,9 @@ def test_gpu_tie_top2_on_tied_rows(rng):
     and near-ties: the count form's O and L, bitwise."""
     from test_forward_mosaic import tied_qkv
 
-    from jax_flash.pallas import tuning
-
     shape = (2, 1024, 4, 64)
     q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (300, 301), (700, 900)))
-    base = {"block_q": 64, "block_k": 64, "split_diagonal": True, "prefetch_scores": True,
-            "fwd": {"num_warps": 4, "num_stages": 3}}
-    outs = []
-    for extra in ({}, {"tie_top2": True}):
-        with tuning.override({**base, **extra}):
-            o, lse = jax.jit(lambda q, k, v: jf.attention_with_lse(q, k, v, causal=True, stable=True,
-                                                                  impl="pallas"))(q, k, v)
-        outs.append((np.asarray(o, np.float32), np.asarray(lse)))
+    outs = forward_under([D64, {**D64, "tie_top2": True}], q, k, v)
     unstable = np.asarray(jf.attention(q, k, v, causal=True, stable=False, impl="pallas"), np.float32)
     (o_c, l_c), (o_t, l_t) = outs
     print(f"top2 vs count: O bitwise {100 * np.mean(o_t == o_c):.4f} %, L {100 * np.mean(l_t == l_c):.4f} %;"
@@ -185,21 +194,11 @@ def test_gpu_exp2_ftz_same_values(rng, stable):
     are subnormal (flushed to 0 here: below anything ℓ ≥ 2·e⁻²⁰ or a BF16 O can show)."""
     from test_forward_mosaic import tied_qkv
 
-    from jax_flash.pallas import tuning
-
     shape = (2, 1024, 4, 64)
     q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (300, 301)))
     # rows past 600: a dominant key 4.5·20 = 90 nats above the tied ones, whose P̄ ≈ 2⁻¹³⁰ are subnormal
     k = k.at[:, 600].set(k[:, 3] * 5.5)
-    base = {"block_q": 64, "block_k": 64, "split_diagonal": True, "prefetch_scores": True,
-            "fwd": {"num_warps": 4, "num_stages": 3}}
-    outs = []
-    for extra in ({}, {"exp2_ftz": True}):
-        with tuning.override({**base, **extra}):
-            o, lse = jax.jit(lambda q, k, v: jf.attention_with_lse(q, k, v, causal=True, stable=stable,
-                                                                  impl="pallas"))(q, k, v)
-        outs.append((np.asarray(o, np.float32), np.asarray(lse)))
-    (o_l, l_l), (o_f, l_f) = outs
+    (o_l, l_l), (o_f, l_f) = forward_under([D64, {**D64, "exp2_ftz": True}], q, k, v, stable)
     print(f"ftz vs libdevice exp2: O bitwise {100 * np.mean(o_f == o_l):.4f} %, L {100 * np.mean(l_f == l_l):.4f} %")
     assert np.all(np.isfinite(o_f)) and np.all(np.isfinite(l_f))
     np.testing.assert_array_equal(o_f, o_l)
@@ -207,8 +206,7 @@ def test_gpu_exp2_ftz_same_values(rng, stable):
 
 
 @pytest.mark.parametrize("entry", [
-    {"block_q": 64, "block_k": 64, "split_diagonal": True, "prefetch_scores": True, "exp2_ftz": True,
-     "fwd": {"num_warps": 4, "num_stages": 3}},
+    {**D64, "exp2_ftz": True},
     {"block_q": 64, "block_k": 128, "fwd_kernel": "mosaic", "shift_factor": True},
     {"block_q": 64, "block_k": 128, "fwd_kernel": "mosaic"}], ids=["triton", "mosaic-factor", "mosaic"])
 @pytest.mark.parametrize("stable", [False, True])
@@ -225,24 +223,13 @@ def test_gpu_scale_late_on_tied_rows(rng, entry, stable):
     shape = (2, 1024, 4, d)
     q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (300, 301)))
     ref = jf.reference_numpy(q, k, v, causal=True)
-    outs = []
-    for extra in ({}, {"scale_late": True}):
-        with tuning.override({**entry, **extra}):
-            o, lse = jax.jit(lambda q, k, v: jf.attention_with_lse(q, k, v, causal=True, stable=stable,
-                                                                  impl="pallas"))(q, k, v)
-        outs.append((np.asarray(o, np.float32), np.asarray(lse)))
-    (o_s, l_s), (o_l, l_l) = outs
-    row = np.abs(o_s).max(-1, keepdims=True)
-    print(f"scale_late vs scaled: O bitwise {100 * np.mean(o_l == o_s):.3f} %, max |Δ|/row "
-          f"{np.max(np.abs(o_l - o_s) / row):.2e}; rel err {rel(o_l, ref):.3e} (scaled {rel(o_s, ref):.3e})")
-    assert np.mean(o_l == o_s) >= 0.9 and np.all(np.abs(o_l - o_s) <= 2.0 ** -5 * row)
-    np.testing.assert_allclose(l_l, l_s, rtol=1e-6, atol=1e-5)
-    assert rel(o_l, ref) <= 1.05 * rel(o_s, ref) + 1e-6
+    scaled, late = forward_under([entry, {**entry, "scale_late": True}], q, k, v, stable)
+    assert_forms_agree("scale_late vs scaled", scaled, late, ref, min_same=0.9)
     if stable:
         with tuning.override({**entry, "scale_late": True}):
             o_b = np.asarray(jax.jit(lambda q, k, v: jf.attention(q, k, v, causal=True, stable=False,
                                                                   impl="pallas"))(q, k, v), np.float32)
-        assert np.mean(np.any(o_b != o_l, -1)) > 0.5  # the shift fired on the tied rows
+        assert np.mean(np.any(o_b != late[0], -1)) > 0.5  # the shift fired on the tied rows
 
 
 # ---------------------------------------------------------------- the Mosaic GPU forward (opt-in)
