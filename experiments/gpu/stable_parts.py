@@ -37,12 +37,12 @@ from jax_flash import tile
 from bench.attention import timed_interleaved
 
 
-def _per_row_only(s, mask, r_m, cfg):
+def _per_row_only(s, mask, r_m, cfg, raw=False):
     return jnp.where(r_m > 3e38, 2.0, 0.0)  # no finite score reaches it: "no ties", per row
 
 
-def _count_only(s, mask, r_m, cfg, floor=None, second=None):
-    ties = tile.tie_count(s, mask, r_m, cfg)
+def _count_only(s, mask, r_m, cfg, floor=None, second=None, raw=False):
+    ties = tile.tie_count(s, mask, r_m, cfg, raw)
     return jnp.where(ties > 1, jnp.maximum(cfg.beta * r_m, 0.0), r_m)
 
 
