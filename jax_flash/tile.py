@@ -95,21 +95,23 @@ class Config:
     # The stable forward's "≥ 2 ties" from the row's two largest scores, found in the same reduction
     # as the row max (tuning field "tie_top2"; ``row_top2``), instead of a count after it: the same
     # decisions (the count of entries ≥ the threshold is ≥ 2 exactly when the second largest is ≥ it),
-    # without the count's serial chain between the row max and the exps (docs/PERF_NOTES.md v17).
-    # Triton kernels and the jnp executor; the Mosaic GPU forward does not lower it.
+    # without the count's serial chain between the row max and the exps — but with its min/max on the
+    # ALU pipe, which made the H200's forward slower (docs/PERF_NOTES.md v17). Triton kernels and the
+    # jnp executor; the Mosaic GPU forward does not lower it.
     tie_top2: bool = False
     # Pallas Triton forward: exp2 as PTX ``ex2.approx.ftz.f32`` (tuning field "exp2_ftz"; "fa2"-style
     # log2-unit policies). The hardware exp2 either way; without ftz the compiler wraps each one in
-    # a compare and two multiplies for subnormal results (P̄ < 2⁻¹²⁶), which compete with the stable
-    # shift's compares for the ALU and FMA pipes (docs/PERF_NOTES.md v17). Same values except
-    # results below 2⁻¹²⁶, which become 0; interpret mode and the jnp executor keep jnp.exp2.
+    # a compare and two multiplies for subnormal results (P̄ < 2⁻¹²⁶): three instructions per score
+    # that base and stable both issue (docs/PERF_NOTES.md v17b). Same values except results below
+    # 2⁻¹²⁶, which become 0; interpret mode and the jnp executor keep jnp.exp2.
     exp2_ftz: bool = False
     # The forward keeps the scores unscaled (q·kᵀ in FP32; tuning field "scale_late"; policies
     # without score rounding): the row max is scale·max(q·kᵀ) — the same value as the max of the
     # scaled scores, rounding being monotone — the exps take scale·s − m, which a GPU compiler fuses
     # into one FMA, and the tie test compares q·kᵀ against the threshold divided by the scale
-    # (``tie_count``). So no multiply per score is left, in base and stable alike. The tie test's
-    # boundary moves by at most an ulp or two of the threshold (docs/PERF_NOTES.md v17c).
+    # (``tie_count``). Where the compiler fuses (the Mosaic forward) no multiply per score is left, in
+    # base and stable alike. The tie test's boundary moves by at most an ulp or two of the threshold
+    # (docs/PERF_NOTES.md v17c).
     scale_late: bool = False
 
     def __post_init__(self):
