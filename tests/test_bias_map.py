@@ -239,9 +239,11 @@ def test_stable_beta_cells(rng):
     and changes nothing; the tie-free rows' bias is the same at every β. ("Nothing" up to the
     compiler: XLA:CPU may fuse the stable program's exp differently, and an FP32 ulp then flips a
     BF16 rounding — seen at 1 element of 1024 × 64 (JAX_FLASH_SEED=834684990), and moving the tie-free
-    t of −62.70 by 1.4e-4 relative (JAX_FLASH_SEED=503829890, at the code of d1b4500 as well) — so
-    the cell statistics are compared to 1e-3 relative, not bitwise; the shift firing moves them by
-    far more, see the "one tile" asserts.)"""
+    t of −62.70 by 1.4e-4 relative (JAX_FLASH_SEED=503829890, at the code of d1b4500 as well), or the
+    β = 2 tie-free t of −59.96 by 1.2e-3 (JAX_FLASH_SEED=2557286896, at 4346b4c as well: a few flipped
+    BF16 roundings among 65,536 outputs move a t of −60 by ≈ 2e-4 each) — so the cell statistics are
+    compared to 5e-3 relative, not bitwise; the shift firing moves them by far more, see the "one
+    tile" asserts.)"""
     from experiments import stable_beta as sb
 
     res = {(r["ties"], r["beta"]): r for r in sb.run(rows=1024, seed=int(rng.integers(1 << 30)),
@@ -251,7 +253,7 @@ def test_stable_beta_cells(rng):
         assert abs(res["one tile", beta]["o_tie_t"]) < 4, beta
         assert res["one tile", beta]["shift_fired_tie"] == 1.0
         assert res["split", beta]["shift_fired_tie"] == 0.0
-        same = lambda a, b: a == b or abs(a - b) <= 1e-3 * abs(b)
+        same = lambda a, b: a == b or abs(a - b) <= 5e-3 * abs(b)
         for col in sb.COLUMNS:
             assert same(res["split", beta][col], res["split", "off"][col]), (beta, col)
         assert same(res["one tile", beta]["o_free_mean"], res["one tile", "off"]["o_free_mean"])
