@@ -223,6 +223,7 @@ def assert_same_values_under(rng, policy, causal, tiles, transforms, min_same=0.
     q, k, v = tied_inputs(rng, (1, 50, 2, 32))
     do = jnp.asarray(rng.standard_normal(q.shape), BF16)
     bq, bk = tiles
+    n = q.shape[1]
     for delta in ("o", "dpp"):
         cfg, _ = api._make_config(q, k, v, causal=causal, stable=True, beta=2.0, sm_scale=None,
                                   policy=policy, delta=delta, impl="pallas", block_q=bq, block_k=bk)
@@ -232,12 +233,39 @@ def assert_same_values_under(rng, policy, causal, tiles, transforms, min_same=0.
             o, vjp = jax.vjp(lambda q, k, v, c=c: api._attention(q, k, v, c, "pallas"), q, k, v)
             lse = api._forward(q, k, v, c, "pallas")[2]
             outs.append([o, *vjp(do), lse])
+        moved = np.asarray(outs[0][4] != outs[1][4])[..., :n]  # rows whose L differs in last bits
+        slack = moved_row_slack(q, k, v, do, causal, moved)
         for name, a, b in zip(("O", "dQ", "dK", "dV", "L"), *outs):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             eps = float(jnp.finfo(BF16 if name != "L" else jnp.float32).eps)
             assert np.mean(a == b) >= min_same, (name, delta, np.mean(a == b))
             bound = eps * np.maximum(np.abs(a), np.abs(b)) + 8 * 2.0**-23 * np.abs(b).max()
+            bound = bound + slack.get(name, 0.0)
             assert np.all(np.abs(a - b) <= bound), (name, delta, np.max(np.abs(a - b)))
+
+
+def moved_row_slack(q, k, v, do, causal, moved):
+    """Where a transform moves a row's L by FP32 last bits (``moved``, [B, H, T]), the P that the
+    kernels recompute from L for that row can round to the neighbouring BF16 value, one BF16 ulp of
+    each term it feeds. The gradients then move by at most eps_bf16 times the sums of the absolute
+    terms of those rows (float64 here): |P||V| for O, |dS||K| for dQ, |dS|ᵀ|Q| for dK, |P|ᵀ|dO| for
+    dV. Measured (seed 2241817229): dQ of one moved row by 2 BF16 ulps of an element the row's
+    cancellation left at 1/50 of the row's largest; zero wherever no row moved."""
+    q, k, v, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, do))
+    scale = q.shape[-1] ** -0.5
+    s = scale * q @ k.swapaxes(-1, -2)
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = do @ v.swapaxes(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    w = moved[..., None].astype(np.float64)  # only the moved rows' terms can move
+    eps = float(jnp.finfo(BF16).eps)
+    back = lambda x: eps * x.transpose(0, 2, 1, 3)  # [B, H, T, D] -> [B, T, H, D]
+    return {"O": back(w * (np.abs(p) @ np.abs(v))), "dQ": back(w * (np.abs(ds) @ np.abs(k)) * scale),
+            "dK": back(np.abs(w * ds).swapaxes(-1, -2) @ np.abs(q) * scale),
+            "dV": back(np.abs(w * p).swapaxes(-1, -2) @ np.abs(do))}
 
 
 @pytest.mark.parametrize("policy,causal,tiles", SPLIT_FAST + [
