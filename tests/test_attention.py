@@ -215,7 +215,8 @@ def assert_same_values_under(rng, policy, causal, tiles, transforms, min_same=0.
     """O, dQ, dK, dV and L of the kernels (interpret mode) under each of two Config ``transforms``,
     for δ from O and from dP∘P, with a kv tail (T = 50 is no multiple of the tiles) and tied rows
     under the stable shift: bitwise for ≥ 99 % of the elements, the rest within one ulp of the
-    element or FP32 last bits of the tile sums where a gradient cancels."""
+    element or FP32 last bits of the tile sums where a gradient cancels, plus ``moved_row_slack`` in
+    rows whose L the transform moved."""
     import dataclasses
 
     from jax_flash import api
