@@ -111,7 +111,7 @@ def tied_row_mask(q, k, *, policy="fa2"):
 
     from . import api, tile
 
-    cfg, _ = api._make_config(q, k, k, **{**api._DEFAULTS, "policy": policy}, impl="jnp")
+    cfg = api.plan(q, k, k, policy=policy, impl="jnp").numerics
     t = q.shape[1]
     mask = jnp.tril(jnp.ones((t, t), bool))
 
@@ -144,14 +144,16 @@ def flash_stored_o_and_delta(q, k, v, do, *, causal=True, stable=False, beta=2.0
     for the ``delta`` mode — rowsum(dO ∘ O_stored) for "o")."""
     from . import api, jnp_impl, pallas
 
-    cfg, impl = api._make_config(q, k, v, causal=causal, stable=stable, beta=beta,
+    cfg, launch, impl = api.plan(q, k, v, causal=causal, stable=stable, beta=beta,
                                  sm_scale=sm_scale, policy=policy, delta=delta, impl=impl,
                                  block_q=block_q, block_k=block_k)
-    _, o_res, lse = api._forward(q, k, v, cfg, impl)
+    _, o_res, lse = api._forward(q, k, v, cfg, launch, impl)
     qp, kp, vp = (api._pad(x, b) for x, b in ((q, cfg.block_q), (k, cfg.block_k), (v, cfg.block_k)))
     dop, op = api._pad(do, cfg.block_q), api._pad(o_res, cfg.block_q)
-    ex = pallas if impl == "pallas" else jnp_impl
-    dlt = ex.delta(qp, kp, vp, op, dop, lse, cfg)
+    if impl == "pallas":
+        dlt = pallas.delta(qp, kp, vp, op, dop, lse, cfg, launch)
+    else:
+        dlt = jnp_impl.delta(qp, kp, vp, op, dop, lse, cfg)
     return o_res, dlt[:, :, : q.shape[1]]
 
 

@@ -19,7 +19,7 @@ from jax import lax
 
 from . import tile
 from .rounding import cast_rounded
-from .tile import Config
+from .spec import Numerics
 
 
 def _blocks(x, b):
@@ -65,7 +65,7 @@ def _inputs(q, k, v, do, cfg):
     return qb, kb, vb, dob
 
 
-def forward(q, k, v, cfg: Config):
+def forward(q, k, v, cfg: Numerics):
     """Returns O (FP32, policy-rounded) ``[B, T, H, D]`` and L ``[B, H, T]``."""
     bq, bk = cfg.block_q, cfg.block_k
     qb, kb, vb, _ = _inputs(q, k, v, None, cfg)
@@ -88,7 +88,7 @@ def forward(q, k, v, cfg: Config):
     return _unblocks(o), lse.reshape(bsz, h, nq * bq)
 
 
-def delta(q, k, v, o, do, lse, cfg: Config):
+def delta(q, k, v, o, do, lse, cfg: Numerics):
     """δ ``[B, H, T]`` for the configured δ mode."""
     if cfg.delta == "o":
         return tile.delta_from_o(o, do).transpose(0, 2, 1)
@@ -116,7 +116,7 @@ def delta(q, k, v, o, do, lse, cfg: Config):
     return out.reshape(bsz, h, nq * bq)
 
 
-def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
+def backward(q, k, v, do, lse, dlt, cfg: Numerics, out_dtype=jnp.float32):
     """(dQ, dK, dV) ``[B, T, H, D]``, accumulated in FP32 and rounded once to ``out_dtype``; the
     sm_scale is applied here."""
     bq, bk = cfg.block_q, cfg.block_k

@@ -10,7 +10,7 @@ Presets (resolved against the input dtype by :func:`make_policy`):
     Production flash-attention numerics (FA2/FA3 CUDA, cuDNN, Triton): S, the row max m, the row sum
     ℓ and the O accumulator in FP32; P̄ cast to the input dtype right before the P̄·V matmul; O rounded
     once at the end. Like FA2, scores are kept in log2 units (scale·log2(e) folded into the scale) and
-    ``exp2`` is used.
+    ``exp2`` is used, with results below 2⁻¹²⁶ flushed to zero (the GPU's fast exp2).
 ``"paper"``
     The authors' pure-PyTorch kernel under BF16 autocast, operation by operation: S rounded to BF16
     (after QKᵀ and again after the scale), ``S − m`` rounded to BF16 before an FP32 ``exp``, each tile's
@@ -83,8 +83,6 @@ class Policy:
     tile_sum_floor: float  # clamp(min=…) on each tile's row sum; 0 = none
     tie_test: str  # "paper": S ≥ lp(r_m − 1e-3); "p_one": lp(P̄) == 1 with P̄ = exp(S − r_m)
     tie_dtype: np.dtype  # dtype of the "P̄ rounds to 1" test
-    block_k: int  # default key tile (numerics depend on it)
-    block_q: int  # default query tile (rows are independent; speed only)
     # Ō / O roundings (tile P̄·V output, O accumulator, O /= ℓ under lp_accumulators; else the final O)
     # stochastic instead of round-to-nearest-even.
     stochastic_rounding: bool = False
@@ -92,6 +90,9 @@ class Policy:
     stochastic_row_sum: bool = False
     # FP32 operands: "ieee" (dots at Precision.HIGHEST) or "bf16x6" (three BF16 pieces, six products)
     fp32_dot: str = "ieee"
+    # exp2 results below 2⁻¹²⁶ (FP32 subnormals) are 0, as the GPU's fast exp2 gives them; every
+    # executor computes it that way (log2-unit policies only)
+    exp_ftz: bool = False
 
     @property
     def fp32_dots(self) -> bool:
@@ -124,19 +125,17 @@ def make_policy(name: str, dtype) -> Policy:
             name=name, operand_dtype=dtype, lp_dtype=dtype, p_dtype=dtype, o_residual_dtype=dtype,
             log2_units=True, round_scores=False, round_shifted=False, round_tile_pv=False,
             lp_accumulators=False, tile_sum_floor=0.0, tie_test="p_one",
-            tie_dtype=dtype if _is_16bit(dtype) else bf16, block_k=64, block_q=64)
+            tie_dtype=dtype if _is_16bit(dtype) else bf16, exp_ftz=True)
     if name == "paper":
         # Autocast runs the GEMMs in BF16 (fp16 inputs keep fp16, as autocast(dtype=float16) would).
         lp = dtype if _is_16bit(dtype) else bf16
         return Policy(
             name=name, operand_dtype=lp, lp_dtype=lp, p_dtype=lp, o_residual_dtype=lp,
             log2_units=False, round_scores=True, round_shifted=True, round_tile_pv=True,
-            lp_accumulators=True, tile_sum_floor=1e-10, tie_test="paper", tie_dtype=lp,
-            block_k=512, block_q=32)
+            lp_accumulators=True, tile_sum_floor=1e-10, tie_test="paper", tie_dtype=lp)
     if name == "fp32":
         return Policy(
             name=name, operand_dtype=f32, lp_dtype=f32, p_dtype=f32, o_residual_dtype=f32,
             log2_units=False, round_scores=False, round_shifted=False, round_tile_pv=False,
-            lp_accumulators=False, tile_sum_floor=0.0, tie_test="p_one", tie_dtype=bf16,
-            block_k=64, block_q=64)
+            lp_accumulators=False, tile_sum_floor=0.0, tie_test="p_one", tie_dtype=bf16)
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")

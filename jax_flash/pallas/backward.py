@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import tile
-from ..tile import Config
+from ..spec import Launch, Numerics
 from . import backward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body
 from .forward import kv_loop
@@ -48,7 +48,8 @@ def _name(kind, cfg):
 
 # ------------------------------------------------------------------------------------------------ δ
 @kernel_body
-def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Config, nk: int):
+def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Numerics, launch: Launch,
+                  nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
@@ -62,11 +63,11 @@ def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Config,
 
     zeros = jnp.zeros((bq,), jnp.float32)
     init = (zeros,) if cfg.delta == "dpp" else (jnp.zeros(q.shape, jnp.float32), zeros)
-    acc = kv_loop(i, cfg, nk, body, init)
+    acc = kv_loop(i, cfg, nk, body, init, launch.split_diagonal)
     out_ref[...] = tile.delta_finish(acc, do, cfg)
 
 
-def delta(q, k, v, o, do, lse, cfg: Config):
+def delta(q, k, v, o, do, lse, cfg: Numerics, launch: Launch):
     """δ ``[B, H, Tq]`` (FP32) for the configured δ mode."""
     if cfg.delta == "o":
         return tile.delta_from_o(o, do).transpose(0, 2, 1)
@@ -74,14 +75,14 @@ def delta(q, k, v, o, do, lse, cfg: Config):
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     return pl.pallas_call(
-        functools.partial(_delta_kernel, cfg=cfg, nk=tk // bk),
+        functools.partial(_delta_kernel, cfg=cfg, launch=launch, nk=tk // bk),
         grid=(tq // bq, bsz, h),
         in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
                   _row_spec(bq)],
         out_specs=_row_spec(bq),
         out_shape=jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32),
         interpret=interpret_mode(),
-        compiler_params=compiler_params(cfg.bwd_launch, d, bq, bk, backward=True,
+        compiler_params=compiler_params(launch.bwd, d, bq, bk, backward=True,
                                         itemsize=q.dtype.itemsize),
         name=_name("delta", cfg),
     )(q, k, v, do, lse)
@@ -89,8 +90,8 @@ def delta(q, k, v, o, do, lse, cfg: Config):
 
 # ---------------------------------------------------------------------------------------- dK and dV
 @kernel_body
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: Config,
-                 nq: int):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: Numerics,
+                 launch: Launch, nq: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     j = pl.program_id(0)
     k = k_ref[...].astype(pol.operand_dtype)
@@ -105,7 +106,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         rows = pl.ds(i * bq, bq)
         q = q_ref[rows, :].astype(pol.operand_dtype)
         do = do_ref[rows, :].astype(pol.operand_dtype)
-        if cfg.prefetch_rows:  # this block's L, δ came with the carry; the next block's load now
+        if launch.prefetch_rows:  # this block's L, δ came with the carry; the next block's load now
             dk, dv, lse, dlt = acc
             nxt = rows_of(i + 1)
             return (*tile.backward_tile_dkdv(dk, dv, q, k, v, do, lse, dlt, mask, cfg), *nxt)
@@ -115,8 +116,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     # Query blocks entirely above the causal diagonal see none of this key tile.
     first = (j * bk) // bq if cfg.causal else 0
     zeros = jnp.zeros((bk, d), jnp.float32)
-    init = (zeros, zeros, *rows_of(first)) if cfg.prefetch_rows else (zeros, zeros)
-    if cfg.split_diagonal:
+    init = (zeros, zeros, *rows_of(first)) if launch.prefetch_rows else (zeros, zeros)
+    if launch.split_diagonal:
         # blocks from the first one whose first row is at or below this tile's last key need no mask
         # (when the tile lies inside kv_len); they come last, so the accumulation order is unchanged
         first_full = pl.cdiv((j + 1) * bk - 1, bq) if cfg.causal else 0
@@ -132,7 +133,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
 # ---------------------------------------------------------------------------------------------- dQ
 @kernel_body
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: Config, nk: int):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: Numerics,
+               launch: Launch, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
@@ -144,45 +146,43 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
         v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
         return tile.backward_tile_dq(dq, q, k, v, do, lse, dlt, mask, cfg)
 
-    dq = kv_loop(i, cfg, nk, body, jnp.zeros(q.shape, jnp.float32))
+    dq = kv_loop(i, cfg, nk, body, jnp.zeros(q.shape, jnp.float32), launch.split_diagonal)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def resident_block(cfg: Config, tq: int, tk: int) -> int | None:
-    """``cfg.bwd_block`` where it is a multiple of both tiles and divides both padded lengths."""
-    big = cfg.bwd_block
+def resident_block(big: int | None, cfg: Numerics, tq: int, tk: int) -> int | None:
+    """``big`` (``Launch.bwd_block`` / ``dq_block``) where it is a multiple of both tiles and divides
+    both padded lengths."""
     if not big or big % cfg.block_q or big % cfg.block_k or tq % big or tk % big:
         return None
     return big
 
 
-def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
+def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp.float32):
     """(dQ, dK, dV) ``[B, T, H, D]``, accumulated in FP32 and rounded once to ``out_dtype`` as the
     kernels write them (writing bf16 directly saves an FP32 round trip through memory)."""
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
     nq = tq // cfg.block_q
     # dK/dV programs keep `big_k` keys, dQ programs `big_q` queries; the streamed tiles are unchanged
-    big_k = resident_block(cfg, tq, tk)
-    big_q = resident_block(dataclasses.replace(cfg, bwd_block=cfg.dq_block), tq, tk) \
-        if cfg.dq_block is not None else big_k
+    big_k = resident_block(launch.bwd_block, cfg, tq, tk)
+    big_q = resident_block(launch.dq_block, cfg, tq, tk) if launch.dq_block is not None else big_k
     dkdv_cfg = dataclasses.replace(cfg, block_k=big_k) if big_k else cfg
     dq_cfg = dataclasses.replace(cfg, block_q=big_q) if big_q else cfg
     bq, bk = dq_cfg.block_q, dkdv_cfg.block_k
     itemsize = q.dtype.itemsize
-    if cfg.dq_launch is None and cfg.dq_block is None:  # one launch for both kernels, as before
-        params = dq_params = compiler_params(cfg.bwd_launch, d, bq, bk, backward=True, itemsize=itemsize)
+    if launch.dq is None and launch.dq_block is None:  # one launch for both kernels
+        params = dq_params = compiler_params(launch.bwd, d, bq, bk, backward=True, itemsize=itemsize)
     else:
-        params = compiler_params(cfg.bwd_launch, d, cfg.block_q, bk, backward=True, itemsize=itemsize)
-        dq_params = compiler_params(cfg.dq_launch or cfg.bwd_launch, d, bq, cfg.block_k,
+        params = compiler_params(launch.bwd, d, cfg.block_q, bk, backward=True, itemsize=itemsize)
+        dq_params = compiler_params(launch.dq or launch.bwd, d, bq, cfg.block_k,
                                     backward=True, itemsize=itemsize)
-    # the Hopper kernels where the tuning table, JAX_FLASH_BWD or backward_mosaic.force choose them
-    mosaic = backward_mosaic.use_mosaic_backward(cfg, q.shape, q.dtype, out_dtype, k.shape)
+    mosaic = launch.bwd_kernel in ("mosaic", "mosaic_dkdv")  # the plan checked that they cover it
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
     else:
         dk, dv = pl.pallas_call(
-            functools.partial(_dkdv_kernel, cfg=dkdv_cfg, nq=nq),
+            functools.partial(_dkdv_kernel, cfg=dkdv_cfg, launch=launch, nq=nq),
             grid=(tk // bk, bsz, h),
             in_specs=[_full_spec(tq, d), _block_spec(bk, d), _block_spec(bk, d), _full_spec(tq, d),
                       _full_rows_spec(tq), _full_rows_spec(tq)],
@@ -193,11 +193,11 @@ def backward(q, k, v, do, lse, dlt, cfg: Config, out_dtype=jnp.float32):
             compiler_params=params,
             name=_name("dkdv", cfg),
         )(q, k, v, do, lse, dlt)
-    if mosaic and backward_mosaic.mosaic_dq(cfg):
+    if launch.bwd_kernel == "mosaic":
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
     else:
         dq = pl.pallas_call(
-            functools.partial(_dq_kernel, cfg=dq_cfg, nk=tk // cfg.block_k),
+            functools.partial(_dq_kernel, cfg=dq_cfg, launch=launch, nk=tk // cfg.block_k),
             grid=(tq // bq, bsz, h),
             in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
                       _row_spec(bq), _row_spec(bq)],

@@ -13,11 +13,9 @@ the rest run without a mask.
 
 The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure: 128 query rows per program in two compute
 warpgroups, K and V tiles streamed by a producer warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ,
-dQ += bf16(dS)·K. Selected per trace (``use_mosaic_backward``, ``mosaic_dq``): by the tuning
-table's ``"bwd_kernel": "mosaic"`` (both kernels) or ``"mosaic_dkdv"`` (dQ stays Triton's) where it
-measured faster (on Hopper, under the JAX it is tested on), by ``JAX_FLASH_BWD=mosaic`` /
-``=mosaic_dkdv`` / ``=triton``, or by ``force``. Calls it does not cover (``check`` says why) keep
-the Triton kernels, or raise under ``force``.
+dQ += bf16(dS)·K. Chosen by ``Launch.bwd_kernel``: "mosaic" (both kernels) or "mosaic_dkdv" (dQ stays
+Triton's); ``jax_flash.plan`` runs the Triton kernels instead where ``check`` says these do not cover
+the call, or raises if the caller asked for them.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
@@ -25,10 +23,7 @@ any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.1
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +31,11 @@ from jax import lax
 
 from .. import tile
 from ..rounding import cast_rounded, native_casts
-from ..tile import Config
+from ..spec import Numerics
 from . import mosaic_common
 from .mosaic_common import Stream, produce_kv, stream_ring
+from .mosaic_common import exp2_backend as _exp2
 
-ENV_VAR = "JAX_FLASH_BWD"
 KEYS_PER_WG = 64  # wgmma's M: the keys of one compute warpgroup
 COMPUTE_WGS = 2
 KEYS = KEYS_PER_WG * COMPUTE_WGS  # keys per program
@@ -52,23 +47,9 @@ HEAD_DIMS = (64, 128)
 STAGES = {64: 4, 128: 3}
 COMPUTE_REGS, PRODUCER_REGS = 232, 40
 
-_FORCE: contextvars.ContextVar = contextvars.ContextVar("jax_flash_mosaic_bwd", default=None)
 
-
-# ------------------------------------------------------------------------------------- selection
-@contextlib.contextmanager
-def force(enabled: bool = True, *, dq: bool = True):
-    """Select (or refuse) the Mosaic GPU backward for calls traced inside the block, whatever
-    ``JAX_FLASH_BWD`` says: the dK/dV kernel, and the dQ kernel too unless ``dq=False``. Forced on,
-    a call it does not cover raises instead of falling back."""
-    token = _FORCE.set((bool(enabled), bool(dq)))
-    try:
-        yield
-    finally:
-        _FORCE.reset(token)
-
-
-def check(cfg: Config, shape, dtype, out_dtype=None, k_shape=None) -> str | None:
+# ------------------------------------------------------------------------------------- coverage
+def check(cfg: Numerics, shape, dtype, out_dtype=None, k_shape=None) -> str | None:
     """Why the Mosaic dK/dV kernel cannot run this call (None: it can). ``shape``: q's padded
     ``[B, T, H, D]``, as ``backward`` receives it; ``out_dtype``: the gradients' dtype."""
     if cfg.policy.name != "fa2" or not cfg.policy.log2_units:
@@ -97,40 +78,8 @@ def check(cfg: Config, shape, dtype, out_dtype=None, k_shape=None) -> str | None
     return None
 
 
-KERNELS = ("mosaic", "mosaic_dkdv")  # JAX_FLASH_BWD / the table's "bwd_kernel": both, or dK/dV only
-
-
-def _env() -> str:
-    env = os.environ.get(ENV_VAR, "").lower()
-    return env if env in KERNELS + ("triton",) else ""
-
-
-def use_mosaic_backward(cfg: Config, shape=None, dtype=None, out_dtype=None, k_shape=None) -> bool:
-    """Whether ``backward`` should run ``dkdv_mosaic`` (and, where ``mosaic_dq`` says so,
-    ``dq_mosaic``) — ``mosaic_common.select``: ``force``, then ``JAX_FLASH_BWD=mosaic|mosaic_dkdv|
-    triton``, then the tuning table's ``cfg.bwd_kernel``. Only on a GPU; ``shape``/``dtype``: q's,
-    when known."""
-    forced, env = _FORCE.get(), _env()
-    return mosaic_common.select(
-        "dK/dV kernel", ENV_VAR, None if forced is None else forced[0],
-        (env in KERNELS) if env else None, cfg.bwd_kernel in KERNELS,
-        lambda: None if shape is None else check(
-            cfg, shape, dtype if dtype is not None else jnp.bfloat16, out_dtype, k_shape))
-
-
-def mosaic_dq(cfg: Config) -> bool:
-    """Where ``use_mosaic_backward`` chose the Mosaic backward: whether its dQ kernel runs too — not
-    under ``force(dq=False)``, ``JAX_FLASH_BWD=mosaic_dkdv`` or the table's ``"mosaic_dkdv"``."""
-    forced, env = _FORCE.get(), _env()
-    if forced is not None:
-        return forced[1]
-    if env in KERNELS:
-        return env == "mosaic"
-    return cfg.bwd_kernel != "mosaic_dkdv"
-
-
 # ------------------------------------------------------------------------------- tile arithmetic
-def p_tile(s_t, lse_b, mask_t, cfg: Config):
+def p_tile(s_t, lse_b, mask_t, cfg: Numerics):
     """Pᵀ (FP32) from the raw product K·Qᵀ (``s_t``, FP32, unscaled) and L broadcast to the tile
     (``[keys, queries]``; ``mask_t`` None: nothing masked): ``tile.backward_tile_dkdv``'s
     expressions — ``tile.scores`` for "fa2", then ``tile._p_from_scores`` — with L broadcast
@@ -144,7 +93,7 @@ def ds_tile(p_t, dp_t, delta_b):
 
 
 # ----------------------------------------------------------------------------------- the kernel
-def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Config,
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Numerics,
             nq: int, stages: int, interpret: bool):
     from jax.experimental import pallas as pl
 
@@ -289,7 +238,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                     stages, n_steps)
 
 
-def _require_covered(kernel: str, cfg: Config, q, k, v, do, out_dtype):
+def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
     reason = check(cfg, q.shape, q.dtype, out_dtype, k.shape)
     if reason is None and not (k.shape == v.shape == do.shape == q.shape
                                and q.dtype == k.dtype == v.dtype == do.dtype):
@@ -299,7 +248,7 @@ def _require_covered(kernel: str, cfg: Config, q, k, v, do, out_dtype):
         raise ValueError(f"the Mosaic GPU {kernel} kernel does not cover this call: {reason}")
 
 
-def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None):
+def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None):
     """(dK, dV) ``[B, T, H, D]`` in ``out_dtype``, dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
     ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11; tests only)."""
@@ -332,7 +281,7 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None
         from jax.experimental import pallas as pl
 
         # compiled: plain conversions round; interpreted, XLA runs the body: round_to's rounding
-        with native_casts(interpret is None):
+        with native_casts(interpret is None), tile.exp2_backend(_exp2(interpret)):
             pl.run_scoped(lambda *scr: body(*refs, scr), *scratch, collective_axes="wg")
 
     kwargs = {} if interpret is None else {"interpret": interpret}
@@ -352,13 +301,13 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None
 
 
 # ---------------------------------------------------------------------------------------------- dQ
-def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Config):
+def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
     """dS = P∘(dP − δ) of a query block × key tile (``s``: the raw Q·Kᵀ, FP32, unscaled; L, δ
     broadcast to ``[queries, keys]``): ``tile.backward_tile_dq``'s expressions."""
     return tile._p_from_scores(s * cfg.score_scale, lse_b, mask, cfg.policy) * (dp - delta_b)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Config,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
                nk: int, stages: int, interpret: bool):
     from jax.experimental import pallas as pl
 
@@ -465,7 +414,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
 
 
-def dq_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None):
+def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
     128 query rows per program (two compute warpgroups of 64), key tiles of 64 streamed by TMA, in
     increasing order up to the causal diagonal. Arguments as ``dkdv_mosaic``."""
@@ -497,7 +446,7 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Config, *, out_dtype, interpret=None):
     def entry(*refs):
         from jax.experimental import pallas as pl
 
-        with native_casts(interpret is None):
+        with native_casts(interpret is None), tile.exp2_backend(_exp2(interpret)):
             pl.run_scoped(lambda *scr: body(*refs, scr), *scratch, collective_axes="wg")
 
     kwargs = {} if interpret is None else {"interpret": interpret}

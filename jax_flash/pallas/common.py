@@ -17,13 +17,13 @@ def interpret_mode() -> bool:
 
 def kernel_body(fn):
     """Decorator for Pallas kernel bodies: compiled for Triton they round with plain conversions
-    (``rounding.native_casts``); in interpret mode, which XLA compiles, they keep ``round_to``'s
-    XLA-proof rounding."""
+    (``rounding.native_casts``) and take exp2 from the PTX instruction; in interpret mode, which XLA
+    compiles, they keep ``round_to``'s XLA-proof rounding and the XLA exp2."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         compiled = not interpret_mode()
-        with native_casts(compiled), tile.triton_body(compiled):
+        with native_casts(compiled), tile.exp2_backend("triton" if compiled else "xla"):
             return fn(*args, **kwargs)
 
     return wrapped
@@ -33,12 +33,10 @@ def default_launch(head_dim: int, block_q: int, block_k: int, *, backward: bool 
                    itemsize: int = 2):
     """(num_warps, num_stages) when the tuning table has no entry.
 
-    16-bit inputs, head_dim ≤ 128, tiles up to 64×64 — what bench.tune measured on the H200
-    (2026-11-29): the winners there, 4 warps in every kernel and 3 stages, except 2 in the backward
-    at head_dim > 64 (an 8-warp backward took 1.5–1.9× the 4-warp time at both tuned shapes; the
-    stable forward at head_dim 128 cost +59 % with 8 warps against +17 % with 4; docs/PERF_NOTES.md
-    v7). Elsewhere (FP32 inputs, wider heads: more shared memory per pipelined tile; not measured)
-    the earlier defaults: 4 warps, 8 for the forward at head_dim > 64, 2 stages. Larger tiles: 8
+    16-bit inputs, head_dim ≤ 128, tiles up to 64×64: what ``bench.tune`` measured fastest on the
+    H200, 4 warps in every kernel and 3 stages, except 2 in the backward at head_dim > 64 (8 warps
+    took 1.5–1.9× as long there). FP32 inputs and wider heads (more shared memory per pipelined
+    tile; not measured): 4 warps, 8 for the forward at head_dim > 64, 2 stages. Larger tiles: 8
     warps, 2 stages. itemsize: bytes per input element."""
     if block_q * block_k > 64 * 64:
         return (8, 2)

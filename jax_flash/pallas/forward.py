@@ -15,37 +15,35 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import tile
-from ..tile import Config
+from ..spec import Launch, Numerics
 from . import forward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body
-from .triton_reduce import register as _register_reduce
-
-_register_reduce()  # tile.row_top2's reduction (Config.tie_top2) in the Triton lowering
 
 
-def _num_kv_tiles(i, cfg: Config, nk: int):
+def _num_kv_tiles(i, cfg: Numerics, nk: int):
     """Key tiles that query block i must visit (the causal diagonal ends the loop early)."""
     if not cfg.causal:
         return nk
     return jnp.minimum(nk, pl.cdiv((i + 1) * cfg.block_q, cfg.block_k))
 
 
-def _num_full_kv_tiles(i, cfg: Config, nk: int):
+def _num_full_kv_tiles(i, cfg: Numerics, nk: int):
     """Leading key tiles that need no mask for query block i: inside kv_len and, when causal,
-    entirely at or below the block's first row (``split_diagonal`` runs them without mask arithmetic)."""
+    entirely at or below the block's first row (``Launch.split_diagonal`` runs them without mask
+    arithmetic)."""
     full = cfg.kv_len // cfg.block_k
     if cfg.causal:
         full = jnp.minimum(full, (i * cfg.block_q + 1) // cfg.block_k)
     return jnp.minimum(full, nk)
 
 
-def kv_loop(i, cfg: Config, nk: int, body, init):
+def kv_loop(i, cfg: Numerics, nk: int, body, init, split_diagonal: bool = False):
     """``fori_loop`` of ``body(j, carry, mask)`` over the key tiles query block i visits, in order;
-    ``mask`` is the tile's mask, or None for the tiles that need none when ``cfg.split_diagonal``."""
+    ``mask`` is the tile's mask, or None for the tiles that need none when ``split_diagonal``."""
     bq, bk = cfg.block_q, cfg.block_k
     masked = lambda j, c: body(j, c, tile.tile_mask(i * bq, j * bk, bq, bk, cfg))
     n = _num_kv_tiles(i, cfg, nk)
-    if not cfg.split_diagonal:
+    if not split_diagonal:
         return lax.fori_loop(0, n, masked, init)
     n_full = _num_full_kv_tiles(i, cfg, nk)
     carry = lax.fori_loop(0, n_full, lambda j, c: body(j, c, None), init)
@@ -53,7 +51,7 @@ def kv_loop(i, cfg: Config, nk: int, body, init):
 
 
 @kernel_body
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int):
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Numerics, launch: Launch, nk: int):
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
@@ -71,27 +69,27 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, nk: int
         s_next = tile.forward_scores(q, load(k_ref, jnp.minimum(j + 1, n - 1)), cfg)
         return tile.forward_tile_from_scores(state, s, load(v_ref, j), mask, cfg), s_next
 
-    if cfg.prefetch_scores:
+    split = launch.split_diagonal
+    if launch.prefetch_scores:
         n = _num_kv_tiles(i, cfg, nk)
         init = (tile.init_carry(bq, d, cfg), tile.forward_scores(q, load(k_ref, 0), cfg))
-        carry = kv_loop(i, cfg, nk, body_prefetch, init)[0]
+        carry = kv_loop(i, cfg, nk, body_prefetch, init, split)[0]
     else:
-        carry = kv_loop(i, cfg, nk, body, tile.init_carry(bq, d, cfg))
+        carry = kv_loop(i, cfg, nk, body, tile.init_carry(bq, d, cfg), split)
     o, lse = tile.finish(carry, cfg)
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
-def forward(q, k, v, cfg: Config, *, o_dtype):
+def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype):
     """Returns O ``[B, Tq, H, D]`` in ``o_dtype`` and L ``[B, H, Tq]`` (FP32)."""
-    # the Hopper kernel where the tuning table, JAX_FLASH_FWD or forward_mosaic.force choose it
-    if forward_mosaic.use_mosaic_forward(cfg, q.shape, q.dtype, o_dtype):
+    if launch.fwd_kernel == "mosaic":  # the plan checked that it covers this call
         return forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=o_dtype)
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk = tq // bq, tk // bk
-    kernel = functools.partial(_forward_kernel, cfg=cfg, nk=nk)
+    kernel = functools.partial(_forward_kernel, cfg=cfg, launch=launch, nk=nk)
     # grid (query block, batch, head): the query block varies fastest, so the programs in flight
     # mostly read one (batch, head)'s K and V, which then stay in L2 (as in JAX's Pallas mha)
     q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b, hh: (b, i, hh, 0))
@@ -104,6 +102,6 @@ def forward(q, k, v, cfg: Config, *, o_dtype):
         out_shape=[jax.ShapeDtypeStruct((bsz, tq, h, d), o_dtype),
                    jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32)],
         interpret=interpret_mode(),
-        compiler_params=compiler_params(cfg.fwd_launch, d, bq, bk, itemsize=q.dtype.itemsize),
+        compiler_params=compiler_params(launch.fwd, d, bq, bk, itemsize=q.dtype.itemsize),
         name=f"jax_flash_fwd_{cfg.policy.name}{'_stable' if cfg.stable else ''}",
     )(q, k, v)

@@ -7,10 +7,9 @@ owns 128 query rows: two compute warpgroups of 64 rows each (wgmma's M) and one 
 that streams the key tiles K_j, V_j (j in order, stopping at the causal diagonal) for both.
 
 The two compute warpgroups take turns ("ping-pong", as in FlashAttention-3): one's softmax runs while
-the other's MMAs use the tensor cores. Selected per trace (``use_mosaic_forward``): by the tuning
-table's ``"fwd_kernel": "mosaic"`` where it measured faster (on Hopper, under the JAX it is tested
-on), by ``JAX_FLASH_FWD=mosaic`` / ``=triton``, or by ``force``; shapes and configurations it does not
-cover (``check`` says why) keep the Triton kernel, or raise under ``force``.
+the other's MMAs use the tensor cores. Chosen by ``Launch.fwd_kernel == "mosaic"`` (the tuning table
+or the caller); ``jax_flash.plan`` runs the Triton kernel instead where ``check`` says this one does
+not cover the call, or raises if the caller asked for it.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
@@ -18,10 +17,7 @@ any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.1
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +25,10 @@ from jax import lax
 
 from .. import tile
 from ..rounding import native_casts
-from ..tile import Config
+from ..spec import Numerics
 from . import mosaic_common
-from .mosaic_common import produce_kv
+from .mosaic_common import exp2_backend as _exp2, produce_kv
 
-ENV_VAR = "JAX_FLASH_FWD"
 ROWS_PER_WG = 64  # wgmma's M: the query rows of one compute warpgroup
 COMPUTE_WGS = 2
 ROWS = ROWS_PER_WG * COMPUTE_WGS  # query rows per program
@@ -46,29 +41,13 @@ PINGPONG = True
 # Registers per thread after warpgroup specialisation: 2·128·232 + 128·40 ≤ 65,536 per SM.
 COMPUTE_REGS, PRODUCER_REGS = 232, 40
 
-_FORCE: contextvars.ContextVar = contextvars.ContextVar("jax_flash_mosaic_fwd", default=None)
 
-
-# ------------------------------------------------------------------------------------- selection
-@contextlib.contextmanager
-def force(enabled: bool = True):
-    """Select (or refuse) the Mosaic GPU forward for calls traced inside the block, whatever
-    ``JAX_FLASH_FWD`` says. Forced on, a configuration it does not cover raises instead of falling
-    back (an A/B must not time the Triton kernel under this name)."""
-    token = _FORCE.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _FORCE.reset(token)
-
-
-def check(cfg: Config, shape, dtype, o_dtype=None) -> str | None:
+# ------------------------------------------------------------------------------------- coverage
+def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
     """Why the Mosaic forward cannot run this call (None: it can). ``shape``: q's padded
     ``[B, T, H, D]``, as ``forward`` receives it."""
     if cfg.policy.name != "fa2" or not cfg.policy.log2_units:
         return f"policy {cfg.policy.name!r} (only 'fa2')"
-    if cfg.stable and cfg.tie_top2:
-        return "tie_top2 (its reduction has no Mosaic GPU lowering)"
     if len(shape) != 4:
         return f"rank {len(shape)} (expected [B, T, H, D])"
     _, t, _, d = shape
@@ -88,20 +67,8 @@ def check(cfg: Config, shape, dtype, o_dtype=None) -> str | None:
     return None
 
 
-def use_mosaic_forward(cfg: Config, shape=None, dtype=None, o_dtype=None) -> bool:
-    """Whether ``forward`` should run ``forward_mosaic`` (``mosaic_common.select``: ``force``, then
-    ``JAX_FLASH_FWD=mosaic|triton``, then the tuning table's ``cfg.fwd_kernel == "mosaic"``). Only on
-    a GPU; ``shape``/``dtype``: q's, when known."""
-    env = os.environ.get(ENV_VAR, "").lower()
-    return mosaic_common.select(
-        "forward", ENV_VAR, _FORCE.get(), (env == "mosaic") if env in ("mosaic", "triton") else None,
-        cfg.fwd_kernel == "mosaic",
-        lambda: None if shape is None else check(
-            cfg, shape, dtype if dtype is not None else jnp.bfloat16, o_dtype))
-
-
 # ----------------------------------------------------------------------------------- the kernel
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: int, stages: int,
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: int, stages: int,
             interpret: bool):
     from jax.experimental import pallas as pl
 
@@ -216,7 +183,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Config, nk: in
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
 
 
-def forward_mosaic(q, k, v, cfg: Config, *, o_dtype, interpret=None):
+def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
     tests only)."""
@@ -253,7 +220,7 @@ def forward_mosaic(q, k, v, cfg: Config, *, o_dtype, interpret=None):
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,
         # XLA runs the body, so round_to's XLA-proof rounding
-        with native_casts(interpret is None):
+        with native_casts(interpret is None), tile.exp2_backend(_exp2(interpret)):
             pl_run_scoped(lambda *refs: body(q_ref, k_ref, v_ref, o_ref, lse_ref, refs), scratch)
 
     def pl_run_scoped(fn, types):

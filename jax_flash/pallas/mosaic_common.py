@@ -6,8 +6,6 @@ any JAX it supports (0.10.2 on CPU); the kernels are written against jax 0.11.2'
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -16,7 +14,6 @@ import jax.numpy as jnp
 from jax import lax
 
 TESTED_JAX = "0.11."  # the plgpu API the kernels are written against (GPU tests: jax 0.11.2)
-_WARNED: set = set()
 
 
 def plgpu():
@@ -25,9 +22,11 @@ def plgpu():
     return mosaic_gpu
 
 
-def table_may_choose() -> str | None:
-    """Why a tuning-table entry must not select a Mosaic GPU kernel here (None: it may): the
-    kernels are written against jax 0.11's ``plgpu`` API and compiled for Hopper only."""
+def unavailable() -> str | None:
+    """Why the Mosaic GPU kernels cannot run on this machine (None: they can): they are written
+    against jax 0.11's ``plgpu`` API and compiled for Hopper only."""
+    if jax.default_backend() != "gpu":
+        return "no GPU (Mosaic GPU compiles for Hopper)"
     if not jax.__version__.startswith(TESTED_JAX):
         return f"jax {jax.__version__} (the Mosaic GPU kernels are tested on {TESTED_JAX}x)"
     cc = str(getattr(jax.devices()[0], "compute_capability", ""))
@@ -36,35 +35,10 @@ def table_may_choose() -> str | None:
     return None
 
 
-def select(what: str, env_var: str, forced: bool | None, env_wants: bool | None,
-           table_wants: bool, not_covered: Callable[[], str | None]) -> bool:
-    """Whether to run the Mosaic GPU ``what`` instead of the Triton one, read at trace time; the
-    first that speaks wins: ``forced`` (``force`` blocks; a call not covered raises), ``env_wants``
-    (the environment variable; not covered: a warning, then Triton), ``table_wants`` (the tuning
-    table, where measured faster; silently Triton where not covered, on another JAX or on a GPU
-    other than Hopper). ``not_covered()``: why the kernel cannot run this call (None: it can)."""
-    if forced is not None:
-        wanted, source = forced, "force"
-    elif env_wants is not None:
-        wanted, source = env_wants, "env"
-    else:
-        wanted, source = table_wants, "table"
-    if not wanted:
-        return False
-    reason = None if jax.default_backend() == "gpu" else "no GPU (Mosaic GPU compiles for Hopper)"
-    if reason is None and source == "table":
-        reason = table_may_choose()
-    if reason is None:
-        reason = not_covered()
-    if reason is None:
-        return True
-    if source == "force":
-        raise ValueError(f"Mosaic GPU {what} forced on, but it does not cover this call: {reason}")
-    if source == "env" and (env_var, reason) not in _WARNED:
-        _WARNED.add((env_var, reason))
-        warnings.warn(f"{env_var}={os.environ.get(env_var, '')}: running the Triton {what} instead "
-                      f"({reason})", stacklevel=3)
-    return False
+def exp2_backend(interpret) -> str:
+    """``tile.exp2_backend`` of a Mosaic GPU kernel body: compiled with ``approx_math``, its exp2 is
+    already ``ex2.approx.ftz.f32``; interpreted, XLA's."""
+    return "mosaic" if interpret is None else "xla"
 
 
 def interpret_params():

@@ -1,34 +1,24 @@
-"""Launch parameters of the Triton kernels per (policy, head_dim, sequence length, causal).
+"""Launch parameters of the GPU kernels per (policy, head_dim, sequence length, causal).
 
-`tuning.json` beside this file is written by `python -m bench.tune` on a GPU and shipped with the
-package; a missing entry means the built-in defaults (64×64 tiles for "fa2"/"fp32", 32×512 for
-"paper"; 4 warps, or 8 for large tiles; 2 stages). `override` lets the tuner try candidates.
-Entries: ``{"block_q", "block_k", "fwd": {"num_warps", "num_stages"}, "bwd": {...}, "split_diagonal",
-"bwd_block"}`` and optionally ``"dq": {...}``, ``"dq_block"``, ``"prefetch_rows"``, ``"prefetch_scores"`` (tiles shared by
-all kernels of a call; ``split_diagonal``: mask-free loops below the causal diagonal; ``bwd_block``:
-rows a backward program keeps resident; ``dq`` / ``dq_block``: the dQ kernel's own launch and
-resident block; ``prefetch_rows``: the dK/dV kernel loads L and δ a block ahead; ``prefetch_scores``: the
-forward computes the next key tile's scores before this tile's softmax — all the same
-values, see ``tile.Config``; ``fwd_kernel``: ``"mosaic"`` runs the Hopper forward of
-``forward_mosaic.py``; ``bwd_kernel``: ``"mosaic"`` / ``"mosaic_dkdv"`` the Hopper backward of
-``backward_mosaic.py`` (both kernels / dK/dV only) — the same rounding points, MMA summation
-orders their own; ``tie_count_int``: the stable forward counts ties in int32 — the same counts; ``shift_factor``: the
-stable shift as a per-row factor after the exps — equal in real arithmetic, see ``tile.Config``;
-``tie_top2``: "≥ 2 ties" from the row's two largest scores — the same decisions; ``exp2_ftz``: the
-Triton forward's exps without the subnormal fix-up; ``scale_late``: the forward's scores unscaled,
-the scale folded into the exps' FMA — last bits, see ``tile.Config`` and docs/NUMERICS.md). The key tile size changes the numerics (the online-softmax
-rescaling); the tuner keeps "paper" at its 512-wide key tiles.
+``tuning.json`` beside this file is written by ``python -m bench.tune`` on a GPU. An entry holds
+launch fields only (``spec.Launch``: kernel family, warps and stages, resident blocks, prefetching)
+plus where it was measured (``device``, ``arch``, ``jax_version``, ``ms``); it applies on GPUs of the
+architecture it was measured on. Nothing in it can change a computed value: tile sizes and numerics
+flags are arguments of the call (``jax_flash.plan`` shows both).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from pathlib import Path
 
+import jax
+
+from ..spec import Launch
+
 TABLE_PATH = Path(__file__).with_name("tuning.json")
-_OVERRIDE: list[dict] = []
+META_FIELDS = ("device", "arch", "jax_version", "ms")
 
 
 def key(policy: str, head_dim: int, seq_len: int, causal: bool) -> str:
@@ -36,23 +26,40 @@ def key(policy: str, head_dim: int, seq_len: int, causal: bool) -> str:
     return f"{policy}/d{head_dim}/t{bucket}/{'causal' if causal else 'full'}"
 
 
+def entry_launch(entry: dict) -> Launch:
+    """The launch an entry sets; a field that is neither a launch field nor provenance raises."""
+    return Launch.from_dict({k: v for k, v in entry.items() if k not in META_FIELDS})
+
+
+def load(path: Path = TABLE_PATH) -> dict[str, tuple[str | None, Launch]]:
+    """key -> (arch, launch) for every entry of a table, each checked by ``entry_launch``."""
+    raw = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    table = {}
+    for k, entry in raw.items():
+        try:
+            table[k] = (entry.get("arch"), entry_launch(entry))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: entry {k!r}: {e}") from None
+    return table
+
+
 @functools.cache
 def _table() -> dict:
-    return json.loads(TABLE_PATH.read_text()) if TABLE_PATH.exists() else {}
+    return load()
 
 
-def lookup(policy: str, head_dim: int, seq_len: int, causal: bool) -> dict:
-    """The entry for this call ({} if none)."""
-    if _OVERRIDE:
-        return _OVERRIDE[-1]
-    return _table().get(key(policy, head_dim, seq_len, causal), {})
+@functools.cache
+def device_arch() -> str | None:
+    """"sm_90" and the like for the default device; None off GPUs."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return f"sm_{cc.replace('.', '')}" if cc else None
 
 
-@contextlib.contextmanager
-def override(entry: dict):
-    """Use ``entry`` for every call traced inside the block (for the tuner)."""
-    _OVERRIDE.append(entry)
-    try:
-        yield
-    finally:
-        _OVERRIDE.pop()
+def lookup(policy: str, head_dim: int, seq_len: int, causal: bool) -> Launch:
+    """The table's launch for this call on this GPU; the defaults where it has none."""
+    arch, launch = _table().get(key(policy, head_dim, seq_len, causal), (None, Launch()))
+    if arch is not None and arch != device_arch():
+        return Launch()
+    return launch

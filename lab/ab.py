@@ -1,29 +1,27 @@
 """A/B: variants of the kernels timed side by side in one process, interleaved.
 
-    python -m bench.ab prepare REV                      # here: writes build/ab/REV/jax_flash (git archive)
-    python -m bench.ab run [--old build/ab/REV] [--variants new,new:stable,cudnn,old]
-        [--entries FILE.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd] [--rounds 5] [--reps 10]
-        [--out FILE.json]                               # on the GPU (carry build/ab)
-    python -m bench.ab table FILE.json [...]            # markdown table of runs
-    python -m bench.ab ratio FILE.json [--variant new:stable] [--base new]  # paired per-round ratio
+    python -m lab.ab prepare REV                      # here: writes build/ab/REV/jax_flash (git archive)
+    python -m lab.ab run [--old build/ab/REV] [--variants new,new:stable,cudnn,old]
+        [--entries lab/entries.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd]
+        [--rounds 5] [--reps 10] [--out FILE.json]    # on the GPU (carry build/ab)
+    python -m lab.ab table FILE.json [...]            # markdown table of runs
+    python -m lab.ab ratio FILE.json [--variant new:stable] [--base new]  # paired per-round ratio
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``mosaic`` (the working
-tree with our Mosaic GPU forward, jax_flash/pallas/forward_mosaic.py, selected while the variant is
-traced — fwd+bwd: that forward and the backward the table chooses; a call it does not cover
-fails), ``cudnn``
+tree with the Mosaic GPU forward asked for; a call it does not cover fails), ``cudnn``
 (``jax.nn.dot_product_attention``), ``mgpu`` (JAX's own Mosaic GPU attention,
-``jax.experimental.pallas.ops.gpu.attention_mgpu``: Hopper-native, forward only when causal — a
-measure of what a Mosaic GPU path could reach, docs/PERF_NOTES.md); ``:stable`` adds the stable shift, ``@NAME`` launches with the
-tuning entry NAME of ``--entries`` (a JSON object NAME → entry, as in jax_flash/pallas/tuning.json)
-instead of the shipped table, e.g. ``new@bwd128:stable``.
+``jax.experimental.pallas.ops.gpu.attention_mgpu``: forward only when causal, a measure of what a
+Mosaic GPU path can reach); ``:stable`` adds the stable shift; ``@NAME`` runs with entry NAME of
+``--entries`` (NAME → launch fields, plus ``block_q``/``block_k`` as call arguments) instead of
+the shipped table, e.g. ``new@k64:stable``.
 
 Passes: ``fwd``, ``fwd+bwd`` and ``bwd`` (the backward alone, from residuals saved once per input:
 beside ``fwd`` it shows whether a faster forward reaches fwd+bwd).
 
-Timings of one ~1-ms configuration spread by up to 17 % between runs (docs/PERF_NOTES.md), so
-variants are compared within one process, interleaved: each round times every variant ``--reps``
-times; a variant's figure is the median over all its rounds. Records as bench.attention's plus
-``"variant"``; the log gives each variant's time relative to the first.
+Timings of one ~1-ms configuration spread by up to 17 % between processes, so variants are compared
+within one process, interleaved: each round times every variant ``--reps`` times; a variant's figure
+is the median over all its rounds. Records as bench.attention's plus ``"variant"``; the log gives
+each variant's time relative to the first.
 """
 
 from __future__ import annotations
@@ -64,13 +62,19 @@ def load_old(root: Path, name: str = "jax_flash_old"):
     return module
 
 
-def candidate_entries() -> dict:
-    """Every candidate launch of ``bench/entries-*.json`` (NAME → tuning entry), as the GPU tests and
-    the profiler driver see them."""
-    import glob
+ENTRIES = Path(__file__).with_name("entries.json")
+CALL_ARGS = ("block_q", "block_k")  # entry fields that are arguments of the call, not of the launch
 
-    return {name: entry for f in sorted(glob.glob("bench/entries-*.json"))
-            for name, entry in json.loads(Path(f).read_text()).items()}
+
+def candidate_entries() -> dict:
+    """Every candidate of ``lab/entries.json`` (NAME → launch fields and tile arguments)."""
+    return json.loads(ENTRIES.read_text())
+
+
+def split_entry(entry: dict) -> tuple[dict, dict]:
+    """(call arguments, launch fields) of an entry."""
+    return ({k: v for k, v in entry.items() if k in CALL_ARGS},
+            {k: v for k, v in entry.items() if k not in CALL_ARGS})
 
 
 def parse_variant(spec: str):
@@ -105,18 +109,31 @@ def _attention_fn(spec, modules, entries, causal, policy):
     mod = modules["new" if version == "mosaic" else version]
     if entry is not None and entry not in entries:
         raise KeyError(f"variant {spec!r}: no entry {entry!r} in --entries")
-    tuning = importlib.import_module(f"{mod.__name__}.pallas.tuning")
+    if not hasattr(mod, "Launch"):  # a revision from before the launch argument
+        return _attention_fn_table(mod, entries.get(entry), version == "mosaic", causal, policy,
+                                   stable)
+    call, launch = split_entry(entries[entry]) if entry else ({}, None)
+    if version == "mosaic":
+        launch = {**(launch or {}), "fwd_kernel": "mosaic"}
 
-    # the kernel choice, like the override, is read while jit traces f (an environment variable set
-    # here would select the Mosaic forward for every variant traced later in this process)
-    forward_mosaic = importlib.import_module(f"{mod.__name__}.pallas.forward_mosaic") \
-        if version == "mosaic" else None
+    def f(q, k, v):
+        return mod.attention(q, k, v, causal=causal, policy=policy, stable=stable, launch=launch,
+                             **call)
+
+    return f
+
+
+def _attention_fn_table(mod, entry, mosaic, causal, policy, stable):
+    """Older revisions chose launches with ``tuning.override`` and ``forward_mosaic.force``, read
+    while jit traces the call."""
+    tuning = importlib.import_module(f"{mod.__name__}.pallas.tuning")
+    forward_mosaic = importlib.import_module(f"{mod.__name__}.pallas.forward_mosaic")
 
     def f(q, k, v):
         with contextlib.ExitStack() as scope:
             if entry:
-                scope.enter_context(tuning.override(entries[entry]))
-            if forward_mosaic is not None:
+                scope.enter_context(tuning.override(entry))
+            if mosaic:
                 scope.enter_context(forward_mosaic.force(True))
             return mod.attention(q, k, v, causal=causal, policy=policy, stable=stable)
 
@@ -130,7 +147,7 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
 
     import jax_flash as new
 
-    from .attention import _jax_pass, pass_flops, timed_interleaved
+    from bench.attention import _jax_pass, pass_flops, timed_interleaved
 
     modules = {"new": new}
     if any(parse_variant(s)[0] == "old" for s in variants):
@@ -194,12 +211,12 @@ def markdown(runs):
 def paired_ratio(records, variant, base, shape, pss, n_boot=10000, seed=0):
     """``variant``'s time over ``base``'s, paired by round (the same round of an interleaved run ran
     both on the same GPU state): (median of the per-round ratios, its 90 % bootstrap interval, rounds).
-    Needs records with ``rounds_ms`` (bench.ab run since the fifteenth session)."""
+    Needs records with ``rounds_ms``."""
     got = {r["variant"]: r["rounds_ms"] for r in records
            if tuple(r["shape"]) == tuple(shape) and r["pass"] == pss and "rounds_ms" in r}
     if variant not in got or base not in got:
         raise KeyError(f"no per-round times for {variant!r} and {base!r} at {shape} {pss}")
-    from .attention import paired_median
+    from bench.attention import paired_median
 
     med, interval = paired_median(got[variant], got[base], n_boot, seed)
     return med, interval, len(got[variant])
@@ -226,7 +243,7 @@ def main(argv=None):
     r = sub.add_parser("run")
     r.add_argument("--old", default=None)
     r.add_argument("--variants", default="old,new")
-    r.add_argument("--entries", default=None, help="JSON file: NAME -> tuning entry")
+    r.add_argument("--entries", default=str(ENTRIES), help="JSON file: NAME -> entry")
     r.add_argument("--shapes", default="4x8192x16x128")
     r.add_argument("--passes", default="fwd+bwd")
     r.add_argument("--rounds", type=int, default=5)
@@ -250,7 +267,7 @@ def main(argv=None):
     if args.cmd == "table":
         print(markdown([(Path(f).name, json.loads(Path(f).read_text())) for f in args.files]), end="")
         return
-    entries = json.loads(Path(args.entries).read_text()) if args.entries else None
+    entries = json.loads(Path(args.entries).read_text())
     run(args.old, [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
         args.passes.split(","), args.variants.split(","), args.rounds, args.reps, entries=entries,
         out=args.out, sync=args.sync)

@@ -1,0 +1,151 @@
+"""What a call computes (``Numerics``) apart from how it runs (``Launch``).
+
+``Numerics`` fixes every value: the policy's rounding points, the tiles of the online softmax, the
+stable shift, δ. It comes from the call's arguments and the documented defaults below, the same on
+every device and executor. ``Launch`` says how the Pallas kernels run on a GPU — kernel family,
+warps, stages, resident blocks, prefetching — and is all a tuning table may choose. Within one
+executor a launch reorders no rounded value; what it may change is the order of FP32 additions inside
+matrix instructions (each kernel family has its own MMA shapes), which moves an output by at most
+one ulp of its dtype, on a few elements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from .policy import LOG2E, MAX_SHIFT_NATS, Policy
+
+# Key and query tiles per policy: the key tile is the online softmax's (where rows rescale and where
+# the stable shift counts ties); the query tile is the block over which the backward sums dK and dV.
+# "fa2" takes 128-key tiles at head_dim 128, where the Hopper kernels run them fastest.
+_TILES = {"paper": (32, 512)}
+
+
+def default_tiles(policy: str, head_dim: int) -> tuple[int, int]:
+    """(block_q, block_k) of ``policy`` at ``head_dim`` when the call does not set them."""
+    base = policy.split("_")[0]
+    if base in _TILES:
+        return _TILES[base]
+    if base == "fa2" and head_dim == 128:
+        return 64, 128
+    return 64, 64
+
+
+def default_scale_late(policy: Policy, head_dim: int) -> bool:
+    """Whether the forward folds the score scale into the exponent (see ``Numerics.scale_late``):
+    on for "fa2" at head_dim 128, where the Hopper forward saves a multiply per score with it."""
+    return policy.log2_units and not policy.round_scores and head_dim == 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """Everything that decides the values of one attention call (hashable: a static argument)."""
+
+    policy: Policy
+    causal: bool
+    stable: bool
+    beta: float
+    sm_scale: float
+    delta: str  # "o" | "o_hp" | "dpp"
+    block_q: int
+    block_k: int
+    q_len: int  # true (unpadded) lengths; tails beyond them are masked
+    kv_len: int
+    # The forward keeps q·kᵀ unscaled: the row max is scale·max(q·kᵀ) (the same value: rounding is
+    # monotone), the exps take scale·s − m (one FMA on a GPU), and the tie test compares q·kᵀ with the
+    # threshold divided by the scale. Last bits of O and L differ from scaling first.
+    scale_late: bool = False
+
+    def __post_init__(self):
+        if self.scale_late and (self.policy.round_scores or self.policy.round_shifted):
+            raise ValueError(f"scale_late needs unrounded scores; policy {self.policy.name!r} "
+                             "rounds them")
+
+    @property
+    def score_scale(self) -> float:
+        """Multiplier from raw q·k to the policy's score units."""
+        return self.sm_scale * (LOG2E if self.policy.log2_units else 1.0)
+
+    @property
+    def score_scale_inv(self) -> float:
+        """1 / score_scale rounded to FP32 (the tie test under ``scale_late``)."""
+        return float(np.float32(1.0 / self.score_scale))
+
+    @property
+    def max_shift(self) -> float:
+        return MAX_SHIFT_NATS * (LOG2E if self.policy.log2_units else 1.0)
+
+
+FWD_KERNELS = ("triton", "mosaic")
+BWD_KERNELS = ("triton", "mosaic", "mosaic_dkdv")  # "mosaic_dkdv": Mosaic dK/dV, Triton dQ
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the Pallas kernels run on a GPU. None of it changes a rounded value (module docstring)."""
+
+    fwd_kernel: str = "triton"  # "mosaic": the Hopper forward (pallas/forward_mosaic.py)
+    bwd_kernel: str = "triton"  # "mosaic" | "mosaic_dkdv": the Hopper backward
+    fwd: tuple[int, int] | None = None  # Triton (num_warps, num_stages); None: defaults
+    bwd: tuple[int, int] | None = None
+    dq: tuple[int, int] | None = None  # the dQ kernel's own, where it differs from ``bwd``
+    split_diagonal: bool = False  # mask-free loops over the tiles below the causal diagonal
+    bwd_block: int | None = None  # keys a dK/dV program keeps resident (a multiple of both tiles)
+    dq_block: int | None = None  # queries a dQ program keeps resident
+    prefetch_rows: bool = False  # dK/dV kernel: the next query block's L and δ a loop step ahead
+    prefetch_scores: bool = False  # forward: the next key tile's scores before this tile's softmax
+
+    def __post_init__(self):
+        if self.fwd_kernel not in FWD_KERNELS:
+            raise ValueError(f"fwd_kernel {self.fwd_kernel!r}: expected one of {FWD_KERNELS}")
+        if self.bwd_kernel not in BWD_KERNELS:
+            raise ValueError(f"bwd_kernel {self.bwd_kernel!r}: expected one of {BWD_KERNELS}")
+        for name in ("fwd", "bwd", "dq"):
+            val = getattr(self, name)
+            if val is not None and (len(val) != 2 or not all(isinstance(x, int) and x > 0
+                                                             for x in val)):
+                raise ValueError(f"{name} must be (num_warps, num_stages), got {val!r}")
+        for name in ("bwd_block", "dq_block"):
+            val = getattr(self, name)
+            if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):
+                raise ValueError(f"{name} must be a power of two >= 16, got {val!r}")
+
+    @classmethod
+    def from_dict(cls, entry: dict) -> Launch:
+        """A launch from a tuning-table entry or a user's dict: launch fields only (``fwd``/``bwd``/
+        ``dq`` as ``(warps, stages)`` or ``{"num_warps", "num_stages"}``); anything else raises."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(entry) - names)
+        if unknown:
+            raise ValueError(f"not launch fields: {unknown} (a launch may set only {sorted(names)};"
+                             " tile sizes and numerics flags are arguments of the call)")
+        kw = dict(entry)
+        for name in ("fwd", "bwd", "dq"):
+            val = kw.get(name)
+            if isinstance(val, dict):
+                kw[name] = (val["num_warps"], val["num_stages"])
+            elif val is not None:
+                kw[name] = tuple(val)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+
+
+class Plan(NamedTuple):
+    """What ``jax_flash.attention`` will compute and how: ``executor`` "pallas" or "jnp"."""
+
+    numerics: Numerics
+    launch: Launch
+    executor: str
+
+    def to_dict(self) -> dict:
+        """A JSON-ready record of the plan (for a run's metadata)."""
+        num = {f.name: getattr(self.numerics, f.name) for f in dataclasses.fields(Numerics)
+               if f.name != "policy"}
+        return {"policy": self.numerics.policy.name, **num, "executor": self.executor,
+                "launch": self.launch.to_dict()}
