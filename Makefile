@@ -16,7 +16,7 @@ STAMP11 := $(VENV11)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,data]"
+	$(PY) -m pip install -q -e ".[train,data,test]"
 	touch $(STAMP)
 
 test: $(STAMP)

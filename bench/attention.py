@@ -114,23 +114,17 @@ def _jax_impls(causal):
 
 
 def kernels(q, causal, policy, stable, pss="fwd") -> dict:
-    """The kernels ``jf.attention`` runs for this call and pass: ``{"fwd_kernel": ...}`` and for
-    "fwd+bwd" also ``"bwd_kernel"`` — "mosaic", "mosaic_dkdv" (Mosaic dK/dV, Triton dQ) or "triton"
-    (the tuning table decides, docs/PERF_NOTES.md), "jnp" off the GPU; recorded, since the table
-    changes them."""
-    from jax_flash import api
-    from jax_flash.pallas import backward_mosaic, forward_mosaic
-
-    cfg, impl = api._make_config(q, q, q, causal=causal, stable=stable, beta=2.0, sm_scale=None,
-                                 policy=policy, delta="o", impl="auto", block_q=None, block_k=None)
-    if impl != "pallas":
-        return {"fwd_kernel": impl, **({"bwd_kernel": impl} if pss != "fwd" else {})}
-    fwd = forward_mosaic.use_mosaic_forward(cfg, q.shape, q.dtype, cfg.policy.o_residual_dtype)
-    out = {"fwd_kernel": "mosaic" if fwd else "triton"}
+    """The kernels ``jf.attention`` runs for this call and pass (``jf.plan``): ``{"fwd_kernel": ...}``
+    and for "fwd+bwd" also ``"bwd_kernel"`` — "mosaic", "mosaic_dkdv" or "triton" as the tuning
+    table chooses, "jnp" off the GPU — plus the call's tiles; recorded, since the table changes them."""
+    p = jf.plan(q, q, q, causal=causal, stable=stable, policy=policy)
+    tiles = {"block_q": p.numerics.block_q, "block_k": p.numerics.block_k}
+    if p.executor != "pallas":
+        return {"fwd_kernel": p.executor, **({"bwd_kernel": p.executor} if pss != "fwd" else {}),
+                **tiles}
+    out = {"fwd_kernel": p.launch.fwd_kernel, **tiles}
     if pss != "fwd":
-        bwd = backward_mosaic.use_mosaic_backward(cfg, q.shape, q.dtype, q.dtype, q.shape)
-        out["bwd_kernel"] = ("mosaic" if backward_mosaic.mosaic_dq(cfg) else "mosaic_dkdv") \
-            if bwd else "triton"
+        out["bwd_kernel"] = p.launch.bwd_kernel
     return out
 
 

@@ -23,19 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash as jf
+from experiments import arms as registry
 from jax_flash import diagnostics as D
 
-# arm -> attention keyword arguments (experiments/reproduce.py's arm names)
-ARMS = {
-    "fa2": dict(policy="fa2"),
-    "fa2-stable": dict(policy="fa2", stable=True),
-    "fa2-dpp": dict(policy="fa2", delta="dpp"),
-    "paper": dict(policy="paper"),
-    "paper-stable": dict(policy="paper", stable=True),
-    "paper-dpp": dict(policy="paper", delta="dpp"),
-    "paper-fp32acc": dict(policy="paper_fp32acc"),
-    "paper-fp32acc-stable": dict(policy="paper_fp32acc", stable=True),
-}
+# the arms compared by default (experiments/arms.py; their attention arguments)
+ARMS = ("fa2", "fa2-stable", "fa2-dpp", "paper", "paper-stable", "paper-dpp", "paper-fp32acc",
+        "paper-fp32acc-stable")
 
 
 def exact_rows(q, k, v, do):
@@ -65,7 +58,7 @@ def arm_rows(q, k, v, do, **kw):
     return np.asarray(jnp.asarray(dq, jnp.float32), np.float64), np.asarray(dlt, np.float64)
 
 
-def analyze(tensors, arms=tuple(ARMS), by_head=False):
+def analyze(tensors, arms=ARMS, by_head=False):
     """Rows of sums per arm (and per head with ``by_head``): total, δ part and rest on tied /
     tie-free rows, Σ q·dQ_hp, and the largest score."""
     q, k, v, do = (tensors[n] for n in ("q", "k", "v", "do"))
@@ -76,7 +69,7 @@ def analyze(tensors, arms=tuple(ARMS), by_head=False):
     groups = [(h, np.s_[:, h]) for h in range(q.shape[2])] if by_head else [(None, np.s_[:])]
     out = []
     for arm in arms:
-        dq_lp, dlt_lp = arm_rows(q, k, v, do, **ARMS[arm])
+        dq_lp, dlt_lp = arm_rows(q, k, v, do, **registry.attention_kwargs(arm))
         total = np.einsum("bqhd,bqhd->bhq", q64, dq_lp - dq_hp)
         parts = {"total": total, "δ part": -(dlt_lp - dlt_hp) * s_bar}
         parts["rest"] = total - parts["δ part"]

@@ -1,13 +1,14 @@
-"""The layer-2 runaway in JAX (MEASURED.md's cheap setting): run arms, then tabulate them.
+"""The layer-2 runaway in JAX: run arms of experiments/arms.py, then tabulate them.
 
     python -m experiments.reproduce run --arm fa2 --seed 0 --steps 3000 --out results/repro
+        [--preset small-gpu]
     python -m experiments.reproduce table results/repro [--md results/repro/table.md]
     python -m experiments.reproduce probes results/repro/fa2-s1 [--steps 3000,4000] [--layer 1]
     python -m experiments.reproduce probe-stats results/repro/fa2-stable-s0 ... [--layers 1]
     python -m experiments.reproduce rerun RUN_A RUN_B   (two executions of one run: where they part)
 
-Configuration: the small-gpu preset (GPT-2 small, 32×1024 tokens/step, AdamW (0.9, 0.95), wd 0,
-clip 1, lr 1e-3 with 500 warmup then cosine over 600 k steps, bf16) on the offline corpus, seed s for
+Configuration (``--preset``, default small-gpu: GPT-2 small, 32×1024 tokens/step, AdamW (0.9, 0.95), wd 0,
+clip 1, lr 1e-3 with 500 warmup then cosine over 600 k steps, bf16)) on the offline corpus, seed s for
 init and data order (identical across arms of a seed). The causal-chain probe (train/probes.py) runs
 every ``--probe-every`` steps on a fixed batch of 8 held-out windows. Layers are 0-based: the
 paper's "layer 2" is L1.
@@ -21,27 +22,8 @@ import os
 import statistics
 from pathlib import Path
 
-ARMS = {
-    "fa2": ["attention.kind=flash"],
-    "standard": ["attention.kind=standard"],
-    "fa2-stable": ["attention.kind=flash", "attention.stable=true"],
-    "fa2-dpp": ["attention.kind=flash", "attention.delta=dpp"],
-    "fa2-stable-b7": ["attention.kind=flash", "attention.stable=true", "attention.beta=7.0"],
-    "fa2-ohp": ["attention.kind=flash", "attention.delta=o_hp"],
-    "paper": ["attention.kind=flash", "attention.policy=paper"],
-    "paper-stable": ["attention.kind=flash", "attention.policy=paper", "attention.stable=true"],
-    "paper-dpp": ["attention.kind=flash", "attention.policy=paper", "attention.delta=dpp"],
-    "paper-fp32acc": ["attention.kind=flash", "attention.policy=paper_fp32acc"],
-    "paper-fp32acc-stable": ["attention.kind=flash", "attention.policy=paper_fp32acc",
-                             "attention.stable=true"],
-    "fp32-attn": ["attention.kind=flash", "attention.policy=fp32"],  # 3.7 s/step on the H200
-    # the FP32 control with its dots on the tensor cores (three BF16 pieces per operand)
-    "fp32x6-attn": ["attention.kind=flash", "attention.policy=fp32_bf16x6"],
-    "flash-l2-only": ["attention.kind=standard", "model.attention_overrides=((1, 'flash'),)"],
-    "standard-l2-only": ["attention.kind=flash", "model.attention_overrides=((1, 'standard'),)"],
-    "fa2-muon": ["attention.kind=flash", "optim.name=muon"],
-    "standard-muon": ["attention.kind=standard", "optim.name=muon"],  # the Muon arm's control
-}
+from experiments import arms
+
 LAYER = 1  # the paper's layer 2
 
 
@@ -55,7 +37,7 @@ def run(args):
 
     tokens = data_lib.load_tokens(args.data)
     run_dir = Path(args.out) / f"{args.arm}-s{args.seed}"
-    cfg = config_lib.apply_overrides(config_lib.get_preset("small-gpu"), ARMS[args.arm] + [
+    cfg = config_lib.apply_overrides(config_lib.get_preset(args.preset), arms.overrides(args.arm) + [
         f"seed={args.seed}", f"data.seed={args.seed}", f"data.path={args.data}",
         f"max_steps={args.steps}", f"probe_every={args.probe_every}", f"eval_every={args.probe_every}",
         f"run_dir={run_dir}", f"checkpoint_every={args.checkpoint_every}", f"resume={args.resume}",
@@ -421,7 +403,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--arm", choices=sorted(ARMS), required=True)
+    r.add_argument("--arm", choices=sorted(arms.ARMS), required=True)
+    r.add_argument("--preset", default="small-gpu", help="train/config.py preset the arm modifies")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--steps", type=int, default=3000)
     r.add_argument("--probe-every", type=int, default=250)

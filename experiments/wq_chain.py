@@ -32,13 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import arms as registry
 from jax_flash import tile
 from jax_flash.rounding import round_to
 
 from .bias_map import BF16, _stats, ablation_main, bias_rows, exact, kernel_config, make_do
 
 DEFAULT_OUT = os.path.join("experiments", "results", "wq_chain")
-# (label, policy, stable, δ mode)
+# arms of experiments/arms.py
+ARMS = ("fa2", "fa2-stable", "fa2-dpp", "paper", "paper-stable", "paper-fp32acc",
+        "paper-fp32acc-stable")
 ARMS = (
     ("fa2", "fa2", False, "o"),
     ("fa2 + stable", "fa2", True, "o"),
@@ -116,8 +119,11 @@ def decompose(q, dq_lp, dlt_lp, dq_hp, dlt_hp, s_bar):
     return dict(total=total, delta=delta, rest=total - delta, own=np.sum(q * dq_hp, axis=1))
 
 
-def arm_config(policy, stable, delta, kv_len=KV_LEN):
-    return dataclasses.replace(kernel_config(policy, stable, kv_len), delta=delta)
+def arm_config(arm, kv_len=KV_LEN):
+    """The arm's numerics for single-query rows of ``kv_len`` keys."""
+    kw = registry.attention_kwargs(arm)
+    cfg = kernel_config(kw["policy"], kw.get("stable", False), kv_len, beta=kw.get("beta", 2.0))
+    return dataclasses.replace(cfg, delta=kw.get("delta", "o"))
 
 
 def run(rows: int, seed: int, progress=True):
@@ -133,8 +139,8 @@ def run(rows: int, seed: int, progress=True):
             np.asarray(jnp.asarray(rng.standard_normal(q.shape), BF16), np.float64)
         dq_hp, dlt_hp, s_bar = exact_backward(q, k, v, do)
         tie = counts > 1
-        for label, policy, stable, delta in ARMS:
-            dq_lp, dlt_lp = backward_runner(arm_config(policy, stable, delta))(
+        for label in ARMS:
+            dq_lp, dlt_lp = backward_runner(arm_config(label))(
                 *(jnp.asarray(x, BF16) for x in (q, k, v, do)))
             parts = decompose(q, dq_lp, dlt_lp, dq_hp, dlt_hp, s_bar)
             row = dict(arm=label, gap=gap, top=f"{top[0]:g}–{top[1]:g}", dO=do_mode, rows=rows,

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Reproduction arms one after the other on one H200 (sequential runs are faster than concurrent
-# ones: docs/REPRODUCTION.md). Runs live on the machine's disk ($RUNS, a checkpoint every CKPT_EVERY
+# ones). Runs live on the machine's disk ($RUNS, a checkpoint every CKPT_EVERY
 # = 1000 steps, resumed when the same ARM:SEED comes again), so a run longer than one command continues
 # in the next command while the machine stays warm. Metrics, config and summary of each run are copied
 # to $OUT/repro/<arm>-s<seed>/ after every command (three files per run: at most two arms per call
 # come back, the device returns ≤ 8 files, two folder levels deep).
 # Usage: bash experiments/gpu/repro_seq.sh LIMIT_S ARM:SEED:STEPS [ARM:SEED:STEPS ...]
-# ARM: an experiments/reproduce.py arm, or torch-flash / torch-standard for the PyTorch twin
+# ARM: an experiments/arms.py arm (ARMS), or torch-flash / torch-standard (TORCH_ARMS) for the PyTorch twin
 # (experiments/gpu/torch_train.py: the same init, data order and probe, trained by PyTorch; no resume).
 # Env: GPU_TESTS=K first runs the `gpu` kernel tests selected by `-k K` (e.g. fa2) and stops if they fail;
 #      TIED=1 first runs the kernel-level tied-row comparison with PyTorch flash;
 #      COMPARE_AT=1000,2000 compares with PyTorch flash on the model's tensors at those steps;
+#      PRESET=NAME: the train/config.py preset the arms modify (default small-gpu);
 #      VARIANT=NAME OVERRIDES="model.n_layer=6 ..." runs every arm with these config overrides (JAX
 #      arms only), kept apart under $RUNS/NAME/ and $OUT/repro-NAME/;
 #      DEADLINE=EPOCH_S (set by lanes.sh) shortens each arm's limit so that the last one ends by then.
@@ -41,11 +42,12 @@ for spec in "$@"; do
     [ "$lim" -lt 90 ] && { echo "$name: skipped, ${lim}s left before the deadline"; continue; }
   fi
   if [[ "$arm" == torch-* ]]; then
-    timeout "$lim" python3 -m experiments.gpu.torch_train --attn "${arm#torch-}" --seed "$seed" \
+    timeout "$lim" python3 -m experiments.gpu.torch_train --arm "$arm" --seed "$seed" \
       --steps "$steps" --probe-every 250 --data data/full.npz --out "$RUNS" \
       --max-seconds $((lim - 45)) >> "$RUNS/$name.log" 2>&1
   else
-    timeout "$lim" python3 -m experiments.reproduce run --arm "$arm" --seed "$seed" --steps "$steps" \
+    timeout "$lim" python3 -m experiments.reproduce run --arm "$arm" --preset "${PRESET:-small-gpu}" \
+      --seed "$seed" --steps "$steps" \
       --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
       --checkpoint-every "${CKPT_EVERY:-1000}" --resume true --snapshot-steps "${SNAP_STEPS:-}" \
       "${EXTRA[@]}" >> "$RUNS/$name.log" 2>&1

@@ -1,8 +1,8 @@
 """The reproduction's PyTorch twin: MEASURED.md's training recipe in PyTorch, fed the JAX run's own
 init, data order and probe batch.
 
-    python -m experiments.gpu.torch_train --attn flash --seed 1 --steps 4000 --out /tmp/runs
-    python -m experiments.gpu.torch_train --attn standard --seed 1 --steps 4000 --out /tmp/runs
+    python -m experiments.gpu.torch_train --arm torch-flash --seed 1 --steps 4000 --out /tmp/runs
+    python -m experiments.gpu.torch_train --arm torch-standard --seed 1 --steps 4000 --out /tmp/runs
 
 Why: the JAX "fa2" arm runs away later and weaker than MEASURED.md's PyTorch FA2 run, and that run
 differs from ours in more than the framework (its corpus build, document order, init draws and probe
@@ -43,6 +43,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from experiments.arms import TORCH_ARMS  # noqa: E402
 from experiments.torch_parity import GPT2_SMALL, TorchGPT, flatten, load_into_torch, nanogpt_lr  # noqa: E402
 
 
@@ -217,7 +218,8 @@ def train(args) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--attn", choices=("flash", "standard"), default="flash")
+    ap.add_argument("--arm", choices=sorted(TORCH_ARMS), default="torch-flash",
+                    help="experiments/arms.py TORCH_ARMS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--probe-every", type=int, default=250)
@@ -233,6 +235,7 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--compile", type=int, default=1)
     args = ap.parse_args(argv)
+    args.attn = TORCH_ARMS[args.arm]
     print(json.dumps(train(args), indent=2))
 
 

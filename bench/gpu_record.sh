@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU record of one revision, in one call on a GPU machine: the GPU tests (their log is the
+# evidence that the kernels compute the jnp executor's numerics under every shipped tuning entry),
+# the side-by-side attention benchmark at the three shapes of record, and optionally the training
+# step. Everything lands under $OUT (at most 8 files come back from the device machine).
+# Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step]      (default: tests bench)
+# Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT (seconds); SHAPES for the benchmark.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+parts=${*:-tests bench}
+python3 - <<'PY' | tee "$OUT/env.txt"
+import subprocess, sys, jax, jaxlib
+rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__,
+      jax.devices()[0].device_kind, "rev", rev or "?")
+PY
+rc=0
+if [[ " $parts " == *" tests "* ]]; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/test_gpu.py -q -s -p no:cacheprovider \
+    > "$OUT/gpu-tests.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
+  echo "gpu tests: exit $r"; tail -3 "$OUT/gpu-tests.log"
+fi
+if [[ " $parts " == *" bench "* ]]; then
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m bench.attention \
+    --shapes "${SHAPES:-32x1024x12x64,8x2048x16x128,4x8192x16x128}" --reps 30 --rounds 5 \
+    --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
+  echo "bench: exit $r"; tail -12 "$OUT/bench.log"
+fi
+if [[ " $parts " == *" step "* ]]; then
+  timeout "${STEP_TIMEOUT:-200}" python3 -m bench.train_step --steps 30 --batch 32 \
+    --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
+  echo "train step: exit $r"; tail -4 "$OUT/train_step.log"
+fi
+exit $rc
