@@ -1,0 +1,152 @@
+"""The search for a setting in which FA2-numerics training fails at the loss, and standard attention
+does not: the settings screened, the criteria, and the verdict computed from raw metrics.
+
+    python -m experiments.search settings                 # the registry of settings
+    python -m experiments.search overrides SETTING        # its config overrides, one a line
+    python -m experiments.search verdict RUN_DIR [...] [--md FILE]
+
+A setting is a set of config overrides on a preset (default small-gpu); arms come from
+experiments/arms.py. The design of each stage — which settings, arms, seeds and steps, and what
+advances a setting — is committed under results/search/ before its runs; every execution is kept
+and counted there. Runs are made on the GPU with experiments/gpu/repro_seq.sh
+(``VARIANT=SETTING OVERRIDES="$(python -m experiments.search overrides SETTING)"``).
+
+The loss failure (fixed before any run): with m_t the mean training loss over steps t−49 … t and
+R_t the lowest m_s since the end of warmup, the run fails at the first step t after warmup + 100
+where m ≥ 1.5·R holds for 100 consecutive steps; a non-finite loss or the trainer's divergence
+stop is a failure too. The logit runaway (the precursor): layer 2's (0-based L1) max attention
+logit at the last probe ≥ 10× the same seed's standard arm in the same setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+SETTINGS: dict[str, tuple[str, ...]] = {
+    # the reproduction's setting: the logit runaway by step 4,000 in about 4 of 10 executions
+    "base": (),
+    "lr1.5e-3": ("optim.lr=1.5e-3",),
+    "lr1.5e-3-noclip": ("optim.lr=1.5e-3", "optim.clip=none"),
+    "lr1e-3-noclip": ("optim.clip=none",),
+    "lr1.25e-3-w250": ("optim.lr=1.25e-3", "optim.warmup_steps=250"),
+}
+
+WINDOW = 50  # steps in the running mean of the loss
+FACTOR = 1.5  # failure: the running mean this many times its lowest value since warmup
+SUSTAIN = 100  # … for this many consecutive steps
+SETTLE = 100  # steps after warmup before the rule applies
+LOGIT_FACTOR = 10.0
+
+
+def overrides(name: str) -> list[str]:
+    if name not in SETTINGS:
+        raise KeyError(f"unknown setting {name!r}; known: {', '.join(SETTINGS)}")
+    return list(SETTINGS[name])
+
+
+def loss_failure(steps, losses, warmup: int, diverged_at=None):
+    """The first step of a loss failure (module docstring), or None. ``steps``/``losses``: the
+    per-step training loss in step order."""
+    if diverged_at is not None:
+        return int(diverged_at)
+    for s, x in zip(steps, losses):
+        if not math.isfinite(x):
+            return int(s)
+    start, lowest, run_from = warmup + SETTLE, math.inf, None
+    window = []
+    for s, x in zip(steps, losses):
+        window.append(x)
+        if len(window) > WINDOW:
+            window.pop(0)
+        if len(window) < WINDOW or s <= warmup:
+            continue
+        m = sum(window) / WINDOW
+        lowest = min(lowest, m)
+        if s < start:
+            continue
+        if m >= FACTOR * lowest:
+            run_from = s if run_from is None else run_from
+            if s - run_from + 1 >= SUSTAIN:
+                return int(run_from)
+        else:
+            run_from = None
+    return None
+
+
+def run_record(run_dir) -> dict:
+    """What the verdict needs from one run folder (config.json, summary.json, metrics)."""
+    from train.gpt2 import read_metrics
+
+    run_dir = Path(run_dir)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text()) \
+        if (run_dir / "summary.json").exists() else {}
+    recs = read_metrics(run_dir)
+    steps = [r["step"] for r in recs if "loss" in r]
+    losses = [r["loss"] for r in recs if "loss" in r]
+    probes = [(r["step"], r["max_logit/L1"]) for r in recs if r.get("max_logit/L1") is not None]
+    warmup = cfg["optim"]["warmup_steps"]
+    return {"run": run_dir.name, "steps": steps[-1] if steps else 0,
+            "loss_failure": loss_failure(steps, losses, warmup, summary.get("diverged_at")),
+            "last_probe": probes[-1] if probes else None,
+            "max_probe": max((v for _, v in probes), default=None),
+            "final_loss": sum(losses[-WINDOW:]) / min(len(losses), WINDOW) if losses else None}
+
+
+def verdict(run_dirs) -> list[dict]:
+    """One row per run: loss failure, layer 2's max logit, and its ratio to the standard arm of
+    the same seed among ``run_dirs`` (folders named ``<arm>-s<seed>``)."""
+    rows = [run_record(d) for d in run_dirs]
+    by_name = {r["run"]: r for r in rows}
+    for r in rows:
+        arm, _, seed = r["run"].rpartition("-s")
+        ctrl = by_name.get(f"standard-s{seed}")
+        ratio = None
+        if ctrl and ctrl["last_probe"] and r["last_probe"] and ctrl["last_probe"][1]:
+            ratio = r["last_probe"][1] / ctrl["last_probe"][1]
+        r["arm"], r["ratio_to_standard"] = arm, ratio
+        r["runaway"] = ratio is not None and ratio >= LOGIT_FACTOR and arm != "standard"
+    return rows
+
+
+def markdown(rows) -> str:
+    num = lambda x, f="{:,.1f}": "—" if x is None else f.format(x)
+    lines = ["| run | steps | loss failure at | mean loss, last 50 | L1 max logit, last probe | "
+             "largest probe | ÷ standard | runaway |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lp = r["last_probe"]
+        lines.append(f"| {r['run']} | {r['steps']:,} | {num(r['loss_failure'], '{:,}')} | "
+                     f"{num(r['final_loss'], '{:.3f}')} | "
+                     f"{'—' if lp is None else f'{lp[1]:,.1f} at {lp[0]:,}'} | "
+                     f"{num(r['max_probe'])} | {num(r['ratio_to_standard'])} | "
+                     f"{'yes' if r['runaway'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("settings")
+    o = sub.add_parser("overrides")
+    o.add_argument("setting")
+    v = sub.add_parser("verdict")
+    v.add_argument("runs", nargs="+")
+    v.add_argument("--md", default=None)
+    args = ap.parse_args(argv)
+    if args.cmd == "settings":
+        for name, ovr in SETTINGS.items():
+            print(f"{name:20s} {' '.join(ovr) or '(the preset)'}")
+    elif args.cmd == "overrides":
+        print("\n".join(overrides(args.setting)))
+    else:
+        text = markdown(verdict(args.runs))
+        print(text, end="")
+        if args.md:
+            Path(args.md).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

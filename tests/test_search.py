@@ -1,0 +1,51 @@
+"""experiments/search.py: the loss-failure rule and the verdict from raw metrics."""
+
+import json
+import math
+
+import pytest
+
+from experiments import search
+
+
+@pytest.mark.parametrize("losses,expect", [
+    ([3.0] * 1000, None),  # flat: no failure
+    ([3.0] * 600 + [5.0] * 400, 638),  # the 50-step mean crosses 1.5 × 3 once 38 fives are in it
+    ([3.0] * 600 + [5.0] * 60 + [3.0] * 340, None),  # a spike shorter than 100 steps
+    ([3.0] * 600 + [math.nan] + [3.0] * 399, 601),  # a non-finite loss
+    ([10.0 - i / 100 for i in range(200)] + [8.0] * 800, None),  # warmup's fall sets no minimum
+])
+def test_loss_failure_rule(losses, expect):
+    assert search.loss_failure(list(range(1, len(losses) + 1)), losses, warmup=100) == expect
+
+
+def test_divergence_stop_counts_as_failure():
+    assert search.loss_failure([1, 2, 3], [3.0, 3.0, 3.0], warmup=0, diverged_at=2) == 2
+
+
+def _run(tmp_path, name, losses, logits, warmup=100):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"optim": {"warmup_steps": warmup}}))
+    recs = [{"step": i + 1, "loss": x} for i, x in enumerate(losses)]
+    for step, v in logits:
+        recs[step - 1]["max_logit/L1"] = v
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return d
+
+
+def test_verdict_ratios_to_the_same_seeds_standard_arm(tmp_path):
+    fa2 = _run(tmp_path, "fa2-s1", [3.0] * 600 + [6.0] * 400, [(500, 40.0), (1000, 900.0)])
+    std = _run(tmp_path, "standard-s1", [3.0] * 1000, [(500, 30.0), (1000, 30.0)])
+    rows = {r["run"]: r for r in search.verdict([fa2, std])}
+    assert rows["fa2-s1"]["loss_failure"] is not None and rows["standard-s1"]["loss_failure"] is None
+    assert rows["fa2-s1"]["ratio_to_standard"] == pytest.approx(30.0)
+    assert rows["fa2-s1"]["runaway"] and not rows["standard-s1"]["runaway"]
+    assert "fa2-s1" in search.markdown(list(rows.values()))
+
+
+def test_every_setting_applies_to_the_preset():
+    from train import config
+
+    for name in search.SETTINGS:
+        config.apply_overrides(config.get_preset("small-gpu"), search.overrides(name))
