@@ -4,7 +4,8 @@
 # the side-by-side attention benchmark at the three shapes of record, and optionally the training
 # step. Everything lands under $OUT (at most 8 files come back from the device machine).
 # Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step]      (default: tests bench)
-# Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT (seconds); SHAPES for the benchmark.
+# Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT (seconds); SHAPES for the benchmark; K selects
+#      GPU tests (pytest -k).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -17,7 +18,8 @@ print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib
 PY
 rc=0
 if [[ " $parts " == *" tests "* ]]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/test_gpu.py -q -s -p no:cacheprovider \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/test_gpu.py -q -s -p no:cacheprovider -rA \
+    ${K:+-k "$K"} \
     > "$OUT/gpu-tests.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "gpu tests: exit $r"; tail -3 "$OUT/gpu-tests.log"
 fi
