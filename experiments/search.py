@@ -91,23 +91,26 @@ def run_record(run_dir) -> dict:
     warmup = cfg["optim"]["warmup_steps"]
     return {"run": run_dir.name, "steps": steps[-1] if steps else 0,
             "loss_failure": loss_failure(steps, losses, warmup, summary.get("diverged_at")),
-            "last_probe": probes[-1] if probes else None,
+            "probes": dict(probes), "last_probe": probes[-1] if probes else None,
             "max_probe": max((v for _, v in probes), default=None),
             "final_loss": sum(losses[-WINDOW:]) / min(len(losses), WINDOW) if losses else None}
 
 
 def verdict(run_dirs) -> list[dict]:
     """One row per run: loss failure, layer 2's max logit, and its ratio to the standard arm of
-    the same seed among ``run_dirs`` (folders named ``<arm>-s<seed>``)."""
+    the same seed among ``run_dirs`` (folders named ``<arm>-s<seed>``) at the last probe step both
+    reached."""
     rows = [run_record(d) for d in run_dirs]
     by_name = {r["run"]: r for r in rows}
     for r in rows:
         arm, _, seed = r["run"].rpartition("-s")
         ctrl = by_name.get(f"standard-s{seed}")
-        ratio = None
-        if ctrl and ctrl["last_probe"] and r["last_probe"] and ctrl["last_probe"][1]:
-            ratio = r["last_probe"][1] / ctrl["last_probe"][1]
-        r["arm"], r["ratio_to_standard"] = arm, ratio
+        ratio, at = None, None
+        common = sorted(set(r["probes"]) & set(ctrl["probes"])) if ctrl else []
+        if common and ctrl["probes"][common[-1]]:
+            at = common[-1]
+            ratio = r["probes"][at] / ctrl["probes"][at]
+        r["arm"], r["ratio_to_standard"], r["ratio_at"] = arm, ratio, at
         r["runaway"] = ratio is not None and ratio >= LOGIT_FACTOR and arm != "standard"
     return rows
 
@@ -115,13 +118,14 @@ def verdict(run_dirs) -> list[dict]:
 def markdown(rows) -> str:
     num = lambda x, f="{:,.1f}": "—" if x is None else f.format(x)
     lines = ["| run | steps | loss failure at | mean loss, last 50 | L1 max logit, last probe | "
-             "largest probe | ÷ standard | runaway |", "|---|---|---|---|---|---|---|---|"]
+             "largest probe | ÷ standard (at step) | runaway |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lp = r["last_probe"]
+        at = "" if r["ratio_at"] is None else f" ({r['ratio_at']:,})"
         lines.append(f"| {r['run']} | {r['steps']:,} | {num(r['loss_failure'], '{:,}')} | "
                      f"{num(r['final_loss'], '{:.3f}')} | "
                      f"{'—' if lp is None else f'{lp[1]:,.1f} at {lp[0]:,}'} | "
-                     f"{num(r['max_probe'])} | {num(r['ratio_to_standard'])} | "
+                     f"{num(r['max_probe'])} | {num(r['ratio_to_standard'])}{at} | "
                      f"{'yes' if r['runaway'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
