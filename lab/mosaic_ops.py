@@ -15,7 +15,6 @@ off. The companion of ``lab.triton_ops`` (the Triton forward).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import re
@@ -23,13 +22,9 @@ import re
 import jax
 import jax.numpy as jnp
 
-from lab.triton_ops import numerics
+from lab.triton_ops import counts_from_args, numerics, variants
 
-_TILE = {"": {}, "-k64": {"block_k": 64}, "-k128": {"block_k": 128}}  # the call's default, or set
-_LATE = {"": None, "+late": True, "-late": False}  # scale_late: the call's default, on, off
-VARIANTS = {kind + tile + late: dict(stable=kind == "stable", scale_late=value, **call)
-            for kind in ("base", "stable") for tile, call in _TILE.items()
-            for late, value in _LATE.items()}
+VARIANTS = variants({"": {}, "-k64": {"block_k": 64}, "-k128": {"block_k": 128}})
 
 
 @contextlib.contextmanager
@@ -79,13 +74,7 @@ def difference(a: collections.Counter, b: collections.Counter) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="1x2048x2x128")
-    ap.add_argument("--variants", default="base,stable")
-    args = ap.parse_args(argv)
-    shape = tuple(int(x) for x in args.shape.split("x"))
-    names = args.variants.split(",")
-    counts = {n: op_counts(shape, **VARIANTS[n]) for n in names}
+    names, counts = counts_from_args(argv, __doc__, "1x2048x2x128", VARIANTS, op_counts)
     for n in names:
         print(f"{n}: {sum(counts[n].values())} ops")
     for n in names[1:]:

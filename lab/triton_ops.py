@@ -30,9 +30,19 @@ import jax_flash as jf
 # both of the Triton forward's launch options: two loop bodies (the tiles below the causal diagonal
 # without a mask, then the diagonal's) and the next tile's scores ahead of this tile's softmax
 LAUNCH = jf.Launch(split_diagonal=True, prefetch_scores=True)
-_LATE = {"": None, "+late": True, "-late": False}  # scale_late: the call's default, on, off
-VARIANTS = {kind + late: dict(stable=kind == "stable", scale_late=value)
-            for kind in ("base", "stable") for late, value in _LATE.items()}
+
+
+def variants(tiles=None) -> dict:
+    """name -> ``numerics`` arguments: ``base`` and ``stable``, then a suffix of ``tiles`` (suffix
+    -> call arguments, e.g. ``{"-k64": {"block_k": 64}}``; none: the call's default tiles), then
+    "" / "+late" / "-late" for ``scale_late`` as the call's default, on, off."""
+    late = {"": None, "+late": True, "-late": False}
+    return {kind + tile + suffix: dict(stable=kind == "stable", scale_late=value, **call)
+            for kind in ("base", "stable") for tile, call in (tiles or {"": {}}).items()
+            for suffix, value in late.items()}
+
+
+VARIANTS = variants()
 _OPS = re.compile(r"= ((?:arith|tt|math)\.[a-z_]+)")
 FREE = ("arith.constant", "tt.splat")  # constants, and scalars splatted to tiles (no per-entry work)
 
@@ -105,14 +115,20 @@ def difference(a: collections.Counter, b: collections.Counter, free=FREE) -> dic
     return {k: b[k] - a[k] for k in sorted(set(a) | set(b)) if b[k] != a[k] and k not in free}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="1x1024x1x64")
+def counts_from_args(argv, doc, shape, variants, op_counts):
+    """(variant names, {name: op counts}) from an op counter's command line: ``--shape`` (default
+    ``shape``) and ``--variants`` (names of ``variants``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default=shape)
     ap.add_argument("--variants", default="base,stable")
     args = ap.parse_args(argv)
-    shape = tuple(int(x) for x in args.shape.split("x"))
+    dims = tuple(int(x) for x in args.shape.split("x"))
     names = args.variants.split(",")
-    counts = {n: op_counts(shape, **VARIANTS[n]) for n in names}
+    return names, {n: op_counts(dims, **variants[n]) for n in names}
+
+
+def main(argv=None):
+    names, counts = counts_from_args(argv, __doc__, "1x1024x1x64", VARIANTS, op_counts)
     base = counts[names[0]]
     for n in names:
         total = sum(v for k, v in counts[n].items() if k not in FREE)
