@@ -2,11 +2,16 @@
 PyTorch's flash kernel, plus compiled memory footprints.
 
     python -m bench.attention [--shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128] [--reps 30]
-        [--rounds 5] [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md docs/BENCHMARKS.md]
-    python -m bench.attention --from-json bench/results/FILE.json --md docs/BENCHMARKS.md   # re-render
+        [--rounds 5] [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md OUT.md]
+        [--plot OUT.png]
+    python -m bench.attention --from-json bench/results/FILE.json --md OUT.md   # re-render, no GPU
 
-Method (../shared/ANCHORS.md): bf16, median of ≥ ``--reps`` timed runs after warm-up, all impls in
-one process, the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``); FLOPs = 4·B·H·T²·D non-causal, half that causal; fwd+bwd counted as 3.5× fwd. Records:
+Method: bfloat16 inputs; every implementation compiled and warmed up, then timed in one process,
+the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``), ≥ ``--reps``
+calls each; a figure is the median. FLOPs count the two matrix products of the forward, 4·B·H·T²·D
+(half of it causal), and the backward as 2.5 forwards (fwd+bwd: 3.5×), so every implementation is
+divided by the same work whatever it computes. Interpretation of the results: docs/PERFORMANCE.md.
+Records:
 ``{"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device"}``
 with impl in jax_flash, cudnn, xla, jax_pallas_mha, torch_flash (the last two when importable). Memory
 (``…-memory.json`` beside it): ``{"impl", "pass": "fwd+bwd", "shape", "temp_bytes", ...}`` from the
@@ -44,19 +49,20 @@ def _timed(f, args, reps, sync=jax.block_until_ready, calls=1):
 
 def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round=None):
     """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
-    ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike:
-    timed one after another, the stable kernel's extra time at 8×2048 read +12.2 % where interleaved
-    runs read +0.8 … +4.0 % (docs/PERF_NOTES.md v9). Odd rounds run the fns in reverse order, so that
-    no fn always follows the same one (docs/PERF_NOTES.md "v15": in the fixed order the 4×8192 stable
-    extra read +10 % per call where A/Bs read +5 %). A fn that fails to compile is logged and left out.
+    ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike
+    (timed one after another, a fn inherits whatever state the GPU was in during its turn, e.g. its
+    clocks falling as it warms). Odd rounds run the fns in reverse order, so that no fn always
+    follows the same one (a heavy neighbour slows what runs right after it). A fn that fails to
+    compile is logged and left out.
 
     ``sync="call"``: every call is a sample, waited for on its own (``rounds × reps`` samples; each
-    includes the per-call dispatch and sync, ~0.18 ms on the H200 host: PERF_NOTES v9 profile).
+    includes the per-call dispatch and sync on the host).
     ``sync="round"``: a round's ``reps`` calls are dispatched back to back and waited for once; the
     sample is their mean (``rounds`` samples) — the kernels' throughput, as inside a jitted step.
     ``args``: one tuple for every fn, or a dict name → tuple (e.g. float16 inputs for a kernel that
     takes no bfloat16). ``per_round``: a dict that receives, per fn, each round's ms (the median of
-    its calls, or the round's mean under ``sync="round"``) — paired samples for ``bench.ab ratio``."""
+    its calls, or the round's mean under ``sync="round"``) — paired samples for ``python -m lab.ab
+    ratio``."""
     arg_of = args if isinstance(args, dict) else {name: args for name in fns}
     if sync not in ("call", "round"):
         raise ValueError(f"sync must be 'call' or 'round', got {sync!r}")
@@ -114,18 +120,14 @@ def _jax_impls(causal):
 
 
 def kernels(q, causal, policy, stable, pss="fwd") -> dict:
-    """The kernels ``jf.attention`` runs for this call and pass (``jf.plan``): ``{"fwd_kernel": ...}``
-    and for "fwd+bwd" also ``"bwd_kernel"`` — "mosaic", "mosaic_dkdv" or "triton" as the tuning
-    table chooses, "jnp" off the GPU — plus the call's tiles; recorded, since the table changes them."""
-    p = jf.plan(q, q, q, causal=causal, stable=stable, policy=policy)
-    tiles = {"block_q": p.numerics.block_q, "block_k": p.numerics.block_k}
-    if p.executor != "pallas":
-        return {"fwd_kernel": p.executor, **({"bwd_kernel": p.executor} if pss != "fwd" else {}),
-                **tiles}
-    out = {"fwd_kernel": p.launch.fwd_kernel, **tiles}
-    if pss != "fwd":
-        out["bwd_kernel"] = p.launch.bwd_kernel
-    return out
+    """The kernels ``jf.attention`` runs for this call and pass (``jax_flash.plan``):
+    ``{"fwd_kernel": ...}`` and for "fwd+bwd" also ``"bwd_kernel"`` — "mosaic", "mosaic_dkdv"
+    (Mosaic dK/dV, Triton dQ) or "triton", as the tuning table's launch chooses them; "jnp" where
+    the call runs on the jnp executor (off the GPU). Recorded, since the table changes them."""
+    plan = jf.plan(q, q, q, causal=causal, stable=stable, policy=policy)
+    names = (plan.launch.fwd_kernel, plan.launch.bwd_kernel) if plan.executor == "pallas" else \
+        (plan.executor, plan.executor)
+    return {"fwd_kernel": names[0], **({"bwd_kernel": names[1]} if pss != "fwd" else {})}
 
 
 def _jax_pass(f, pss):
@@ -155,8 +157,8 @@ def _jax_pass(f, pss):
 
 
 def pass_flops(shape, causal, pss):
-    """FLOPs of one call (ANCHORS.md): 4·B·H·T²·D, half of it causal; fwd+bwd counted as 3.5× fwd
-    (so the backward alone as 2.5×)."""
+    """FLOPs of one call: 4·B·H·T²·D (Q·Kᵀ and P·V), half of it causal; fwd+bwd counted as 3.5× fwd
+    (so the backward alone as 2.5×: five matrix products against the forward's two)."""
     b, t, h, d = shape
     fwd = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
     return fwd * {"fwd": 1.0, "fwd+bwd": 3.5, "bwd": 2.5}[pss]
@@ -316,7 +318,7 @@ def _stable_extra(records, shape, pss):
 
 
 def targets(records):
-    """Issue 6's targets as ratios within this run, per shape (causal): "fa2" fwd+bwd speed over cuDNN's
+    """The speed targets as ratios within this run, per shape (causal): "fa2" fwd+bwd speed over cuDNN's
     and over JAX's Pallas mha, and the stable kernel's extra time over the baseline (fwd+bwd, fwd;
     paired by round with a 90 % interval where the records have per-round times)."""
     lines = ["\n### Targets (ratios within this run; speed ratio = other's ms / ours)",

@@ -1,20 +1,34 @@
-"""Autotune the Triton kernels' tiles and launch parameters on the GPU; write jax_flash/pallas/tuning.json.
+"""Tune the GPU kernels' launch on the GPU; write jax_flash/pallas/tuning.json.
 
-    python -m bench.tune [--shapes 32x1024x12x64,4x8192x16x128] [--policies fa2,paper] [--reps 20]
+    python -m bench.tune [--shapes 32x1024x12x64,4x8192x16x128] [--policies fa2] [--reps 20]
         [--budget-s 480] [--out jax_flash/pallas/tuning.json] [--log FILE.json]
 
-For each shape and policy: first the forward launch (num_warps, num_stages) per tile pair, timed on the
-forward; then, with each tile pair's best forward, the backward launch, timed on forward+backward;
-last, the three fastest of those, each without and with ``split_diagonal`` (mask-free loops below
-the causal diagonal), timed again in three interleaved rounds. The lowest median of those rounds
-wins and is merged into the table under `tuning.key(...)` (causal, bf16, stable off — the stable
-kernels are the same kernels). Candidates that do not compile (shared memory)
-are skipped and logged. "paper" keeps its 512-wide key tiles (they define its numerics).
+Only launch fields are searched (``jax_flash.Launch``: none of them changes a computed value); the
+tiles are the call's defaults (``jax_flash.plan``), since they are numerics. Per shape and policy
+(causal, bfloat16, stable off — the stable kernels are the same kernels):
+
+1. the forward, timed on the forward pass: each Triton ``(num_warps, num_stages)`` of ``LAUNCHES``
+   without and with ``prefetch_scores``, and the Mosaic GPU forward where it covers the call;
+2. with the fastest forward, the backward, timed on forward+backward: each Triton launch without
+   and with ``prefetch_rows``, the Mosaic GPU dK/dV kernel beside the Triton dQ kernel under each
+   launch, and the Mosaic GPU backward, where they cover the call;
+3. the ``FINALISTS`` fastest of step 2, each also with ``split_diagonal`` (mask-free loops below the
+   causal diagonal) where a Triton kernel runs, timed again in ``ROUNDS`` interleaved rounds
+   (``bench.attention.timed_interleaved``): one-shot timings of one configuration drift by more
+   than the differences between good candidates, so the lowest median of the interleaved calls wins.
+
+A candidate the plan refuses (a Mosaic GPU kernel that does not cover the call) or that fails to
+compile (e.g. shared memory) is skipped and logged. The winner is merged into the table under
+``tuning.key(...)`` with where it was measured (``device``, ``arch``, ``jax_version``) and its ``ms``
+(fwd+bwd); the table then applies on GPUs of that architecture. Resident blocks (``bwd_block``,
+``dq_block``) and a dQ launch of its own are not searched: compare such candidates with ``python -m
+lab.ab`` first.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -27,72 +41,97 @@ import numpy as np
 import jax_flash as jf
 from jax_flash.pallas import tuning
 
-from .attention import _jax_pass, _timed
+from .attention import _jax_pass, _timed, timed_interleaved
 
-TILES = {"fa2": [(64, 32), (64, 64), (128, 64), (64, 128), (128, 128)],
-         "fp32": [(32, 32), (64, 32), (64, 64)],
-         "paper": [(16, 512), (32, 512), (64, 512)]}
-LAUNCHES = [(4, 2), (4, 3), (8, 2), (8, 3)]
+LAUNCHES = [(4, 2), (4, 3), (8, 2), (8, 3)]  # Triton (num_warps, num_stages)
 FINALISTS, ROUNDS = 3, 3
+WARPS_STAGES = ("fwd", "bwd", "dq")  # launch fields written as {"num_warps", "num_stages"}
+
+
+def forward_candidates() -> list[jf.Launch]:
+    return [jf.Launch(fwd=ws, prefetch_scores=ps) for ws in LAUNCHES for ps in (False, True)] + [
+        jf.Launch(fwd_kernel="mosaic")]
+
+
+def backward_candidates(fwd: jf.Launch) -> list[jf.Launch]:
+    """``fwd`` (the forward's winner) with each backward launch."""
+    plus = lambda **kw: dataclasses.replace(fwd, **kw)
+    return ([plus(bwd=ws, prefetch_rows=pr) for ws in LAUNCHES for pr in (False, True)]
+            + [plus(bwd_kernel="mosaic_dkdv", bwd=ws) for ws in LAUNCHES]  # ws: the Triton dQ's
+            + [plus(bwd_kernel="mosaic")])
+
+
+def finalists(launches: list[jf.Launch]) -> list[jf.Launch]:
+    """Each launch, and after it the same with ``split_diagonal`` where a Triton kernel runs."""
+    out = []
+    for launch in launches:
+        out.append(launch)
+        if launch.fwd_kernel == "triton" or launch.bwd_kernel != "mosaic":
+            out.append(dataclasses.replace(launch, split_diagonal=True))
+    return list(dict.fromkeys(out))
+
+
+def table_entry(launch: jf.Launch, ms: float, device: str, arch: str | None,
+                jax_version: str) -> dict:
+    """A tuning-table entry: the launch's fields (those off their defaults) and where it was
+    measured; checked by ``tuning.entry_launch``, which refuses anything else."""
+    entry = {k: {"num_warps": v[0], "num_stages": v[1]} if k in WARPS_STAGES else v
+             for k, v in launch.to_dict().items()}
+    entry.update(device=device, arch=arch, jax_version=jax_version, ms=round(float(ms), 3))
+    if tuning.entry_launch(entry) != launch:
+        raise AssertionError(f"{entry} does not read back as {launch}")
+    return entry
+
+
+def _pass_fn(policy: str, launch: jf.Launch, pss: str):
+    """One candidate's jitted pass: attention with the call's default tiles under ``launch``."""
+    return _jax_pass(lambda q, k, v: jf.attention(q, k, v, policy=policy, impl="pallas",
+                                                  launch=launch), pss)
 
 
 def tune_one(shape, policy, reps, deadline, log):
-    b, t, h, d = shape
+    """((ms, launch) of the winner or None, every trial as a record) for one shape and policy."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
-    f = lambda q, k, v: jf.attention(q, k, v, policy=policy, impl="pallas")
+    num = jf.plan(q, k, v, policy=policy, impl="pallas").numerics
+    case = dict(shape=list(shape), policy=policy, block_q=num.block_q, block_k=num.block_k)
+    name = f"{'x'.join(map(str, shape))} {policy}"
     trials = []
-    launch_of = lambda launch: dict(zip(("num_warps", "num_stages"), launch))
 
-    def time_entry(entry, pss, **extra):
-        """ms of one candidate on pass `pss`, logged; None if it does not compile."""
-        try:
-            with tuning.override(entry):
-                ms = _timed(_jax_pass(f, pss), (q, k, v), reps)
-        except Exception as e:  # e.g. shared memory exceeded: not a candidate
-            log(f"{shape} {policy} {entry}: skipped ({type(e).__name__})")
-            return None
-        trials.append(dict(shape=list(shape), policy=policy, **entry, **{"pass": pss}, ms=ms, **extra))
-        log(f"{'x'.join(map(str, shape))} {policy} {pss} {entry}: {ms:.3f} ms")
-        return ms
-
-    def best_of(entries, pss):
-        """Time each candidate entry on pass `pss`; (ms, entry) of the fastest, None if none ran."""
-        best = None
-        for entry in entries:
+    def ranked(candidates, pss):
+        """(ms, launch) of the candidates that ran on pass ``pss``, fastest first."""
+        out = []
+        for launch in candidates:
             if time.time() > deadline:
                 break
-            ms = time_entry(entry, pss)
-            if ms is not None and (best is None or ms < best[0]):
-                best = (ms, entry)
-        return best
+            try:
+                jf.plan(q, k, v, policy=policy, impl="pallas", launch=launch)
+                ms = _timed(_pass_fn(policy, launch, pss), (q, k, v), reps)
+            except Exception as e:  # not covered, or does not compile: not a candidate
+                log(f"{name} {launch.to_dict()}: skipped ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            trials.append(dict(case, launch=launch.to_dict(), **{"pass": pss}, ms=ms))
+            log(f"{name} {pss} {launch.to_dict()}: {ms:.3f} ms")
+            out.append((ms, launch))
+        return sorted(out, key=lambda x: x[0])
 
-    finalists = []  # (ms, entry): each tile pair's best forward+backward
-    for bq, bk in TILES[policy]:
-        fwd = best_of([{"block_q": bq, "block_k": bk, "fwd": launch_of(lc)} for lc in LAUNCHES], "fwd")
-        if fwd is None:
-            continue
-        both = best_of([dict(fwd[1], bwd=launch_of(lc)) for lc in LAUNCHES], "fwd+bwd")
-        if both is not None:
-            finalists.append(both)
-    # One-shot timings of the same ~1-ms configuration spread by up to 17 % on the H200 (PERF_NOTES
-    # v3–v6), so the best FINALISTS, each without and with mask-free interior loops, are timed again
-    # in ROUNDS interleaved rounds and ranked by their median (even past the deadline: these few
-    # trials are the answer, and the table's split_diagonal needs them).
-    top = [e for _, e in sorted(finalists, key=lambda x: x[0])[:FINALISTS]]
-    final = [dict(e, split_diagonal=split) for e in top for split in (False, True)]
-    times: dict[int, list[float]] = {i: [] for i in range(len(final))}
-    for r in range(ROUNDS):
-        for i, entry in enumerate(final):
-            ms = time_entry(entry, "fwd+bwd", round=r)
-            if ms is not None:
-                times[i].append(ms)
-    ranked = sorted((float(np.median(t)), i) for i, t in times.items() if t)
-    for ms, i in ranked:
-        log(f"final {'x'.join(map(str, shape))} {policy} {final[i]}: median {ms:.3f} ms of "
-            + ", ".join(f"{x:.3f}" for x in times[i]))
-    best = (ranked[0][0], final[ranked[0][1]]) if ranked else None
-    return best, trials
+    fwd = ranked(forward_candidates(), "fwd")
+    both = ranked(backward_candidates(fwd[0][1]), "fwd+bwd") if fwd else []
+    if not both:
+        return None, trials
+    # the final rounds run even past the deadline: these few timings are the answer
+    final = finalists([launch for _, launch in both[:FINALISTS]])
+    per_round = {}
+    ms = timed_interleaved({i: _pass_fn(policy, launch, "fwd+bwd") for i, launch in enumerate(final)},
+                           (q, k, v), reps, ROUNDS, log=log, per_round=per_round)
+    for i, t in ms.items():
+        trials.append(dict(case, launch=final[i].to_dict(), **{"pass": "fwd+bwd"}, ms=t,
+                           final=True, rounds_ms=per_round[i]))
+        log(f"final {name} {final[i].to_dict()}: median {t:.3f} ms")
+    if not ms:
+        return None, trials
+    best = min(ms, key=ms.get)
+    return (ms[best], final[best]), trials
 
 
 def main(argv=None):
@@ -105,12 +144,16 @@ def main(argv=None):
     ap.add_argument("--log", default="tune_log.json")
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
-        raise SystemExit("bench.tune times the Triton kernels: it needs a GPU (the table is unused elsewhere)")
+        raise SystemExit("bench.tune times the GPU kernels: it needs a GPU (the table is unused "
+                         "elsewhere)")
     start = time.time()
-    table = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    out = Path(args.out)
+    table = json.loads(out.read_text()) if out.exists() else {}
+    device, arch = jax.devices()[0].device_kind, tuning.device_arch()
     all_trials = []
     combos = list(itertools.product(
-        [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")], args.policies.split(",")))
+        [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
+        args.policies.split(",")))
     for i, (shape, policy) in enumerate(combos):
         # an equal share of what is left, so the first shape cannot starve the others
         deadline = time.time() + (start + args.budget_s - time.time()) / (len(combos) - i)
@@ -118,14 +161,12 @@ def main(argv=None):
         all_trials += trials
         if best:
             key = tuning.key(policy, shape[3], shape[1], True)
-            table[key] = dict(best[1], ms=best[0], jax_version=jax.__version__,
-                              device=jax.devices()[0].device_kind)
+            table[key] = table_entry(best[1], best[0], device, arch, jax.__version__)
             print(f"best {key}: {table[key]}")
-    with open(args.out, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-    with open(args.log, "w") as f:
-        json.dump(all_trials, f, indent=1)
-    print("wrote", args.out, "and", args.log)
+    out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    tuning.load(out)  # every entry as the library will read it
+    Path(args.log).write_text(json.dumps(all_trials, indent=1))
+    print("wrote", out, "and", args.log)
 
 
 if __name__ == "__main__":

@@ -8,20 +8,22 @@
     python -m lab.ab ratio FILE.json [--variant new:stable] [--base new]  # paired per-round ratio
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``mosaic`` (the working
-tree with the Mosaic GPU forward asked for; a call it does not cover fails), ``cudnn``
-(``jax.nn.dot_product_attention``), ``mgpu`` (JAX's own Mosaic GPU attention,
+tree with ``launch={"fwd_kernel": "mosaic"}``; a call the Mosaic GPU forward does not cover fails),
+``cudnn`` (``jax.nn.dot_product_attention``), ``mgpu`` (JAX's own Mosaic GPU attention,
 ``jax.experimental.pallas.ops.gpu.attention_mgpu``: forward only when causal, a measure of what a
 Mosaic GPU path can reach); ``:stable`` adds the stable shift; ``@NAME`` runs with entry NAME of
-``--entries`` (NAME → launch fields, plus ``block_q``/``block_k`` as call arguments) instead of
-the shipped table, e.g. ``new@k64:stable``.
+``--entries`` (launch fields passed as ``launch=``, ``block_q``/``block_k`` as call arguments)
+instead of the shipped table's launch, e.g. ``new@k64:stable``. An entry's tiles change the numerics;
+its launch fields do not (``jax_flash.Launch``).
 
 Passes: ``fwd``, ``fwd+bwd`` and ``bwd`` (the backward alone, from residuals saved once per input:
 beside ``fwd`` it shows whether a faster forward reaches fwd+bwd).
 
-Timings of one ~1-ms configuration spread by up to 17 % between processes, so variants are compared
-within one process, interleaved: each round times every variant ``--reps`` times; a variant's figure
-is the median over all its rounds. Records as bench.attention's plus ``"variant"``; the log gives
-each variant's time relative to the first.
+Timings of one configuration drift between processes by more than the differences an A/B looks
+for, so variants are compared within one process, interleaved: each round times every variant
+``--reps`` times; a variant's figure is the median over all its rounds, and ``ratio`` pairs two
+variants round by round. Records as ``bench.attention``'s plus ``"variant"`` (and, for the working
+tree's variants, the ``"launch"`` that ran); the log gives each variant's time relative to the first.
 """
 
 from __future__ import annotations
@@ -90,6 +92,19 @@ def parse_variant(spec: str):
     return version, entry or None, flags == "stable"
 
 
+def call_kwargs(spec: str, entries: dict, causal: bool = True, policy: str = "fa2") -> dict:
+    """Keyword arguments of ``jax_flash.attention`` for a working-tree variant (``new``, ``mosaic``,
+    with ``@NAME`` and ``:stable``): the entry's tiles as call arguments, its launch as ``launch=``
+    (None without an entry: the shipped table's)."""
+    version, entry, stable = parse_variant(spec)
+    if entry is not None and entry not in entries:
+        raise KeyError(f"variant {spec!r}: no entry {entry!r} in --entries")
+    call, launch = split_entry(entries[entry]) if entry else ({}, None)
+    if version == "mosaic":
+        launch = {**(launch or {}), "fwd_kernel": "mosaic"}
+    return dict(causal=causal, policy=policy, stable=stable, launch=launch, **call)
+
+
 def _attention_fn(spec, modules, entries, causal, policy):
     import jax
 
@@ -107,25 +122,17 @@ def _attention_fn(spec, modules, entries, causal, policy):
         cfg = mg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
         return lambda q, k, v: mg.attention(q, k, v, cfg)
     mod = modules["new" if version == "mosaic" else version]
-    if entry is not None and entry not in entries:
-        raise KeyError(f"variant {spec!r}: no entry {entry!r} in --entries")
+    kw = call_kwargs(spec, entries, causal, policy)  # (checks the entry for every revision)
     if not hasattr(mod, "Launch"):  # a revision from before the launch argument
         return _attention_fn_table(mod, entries.get(entry), version == "mosaic", causal, policy,
                                    stable)
-    call, launch = split_entry(entries[entry]) if entry else ({}, None)
-    if version == "mosaic":
-        launch = {**(launch or {}), "fwd_kernel": "mosaic"}
-
-    def f(q, k, v):
-        return mod.attention(q, k, v, causal=causal, policy=policy, stable=stable, launch=launch,
-                             **call)
-
-    return f
+    return lambda q, k, v: mod.attention(q, k, v, **kw)
 
 
 def _attention_fn_table(mod, entry, mosaic, causal, policy, stable):
-    """Older revisions chose launches with ``tuning.override`` and ``forward_mosaic.force``, read
-    while jit traces the call."""
+    """Revisions before ``launch=`` chose launches and tiles with their ``tuning.override`` and
+    ``forward_mosaic.force`` context managers, read while jit traces the call (kept so that
+    ``old`` can be such a revision)."""
     tuning = importlib.import_module(f"{mod.__name__}.pallas.tuning")
     forward_mosaic = importlib.import_module(f"{mod.__name__}.pallas.forward_mosaic")
 
@@ -168,6 +175,10 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
             first = next(iter(ms.values()), None)
             for spec in ms:
                 version, _, stable = parse_variant(spec)
+                ran = {}
+                if version in ("new", "mosaic"):  # the launch after the plan's coverage check
+                    ran["launch"] = new.plan(q, k, v, **call_kwargs(spec, entries, causal, policy)
+                                             ).launch.to_dict()
                 records.append(dict(
                     impl={"cudnn": "cudnn", "mgpu": "jax_mgpu_attention"}.get(version,
                                                                              f"jax_flash@{version}"),
@@ -176,7 +187,7 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
                     shape=list(shape), causal=causal, **{"pass": pss}, ms=ms[spec],
                     tflops=pass_flops(shape, causal, pss) / ms[spec] / 1e9,
                     jax_version=jax.__version__, device=jax.devices()[0].device_kind, sync=sync,
-                    rounds_ms=per_round[spec]))
+                    rounds_ms=per_round[spec], **ran))
                 log(f"{'x'.join(map(str, shape))} {pss} {spec:>24}: {ms[spec]:8.3f} ms  "
                     f"×{ms[spec] / first:.3f} of {next(iter(ms))}")
             if out:  # after every case, so a cut-off run keeps what it measured

@@ -1,5 +1,4 @@
-"""Which matrix instructions do the compiled kernels use? (issue 6: "check the compiled kernel uses
-the Hopper matrix instructions").
+"""Which matrix instructions do the compiled kernels use: Hopper's warpgroup MMAs or the older path?
 
 Runs jax-flash forward+backward once with XLA dumping its GPU modules (``--xla_dump_to`` and
 ``--xla_gpu_dump_llvmir``), then counts, per dumped PTX or LLVM IR file (Triton writes its MMAs into
@@ -7,8 +6,11 @@ the LLVM IR as inline PTX, so both carry the instruction names) and per kernel e
 asynchronous warpgroup MMAs (``wgmma.mma_async``) against the older warp-level ``mma.sync`` /
 ``ldmatrix`` path, and the ``ex2`` exponentials.
 
-    python -m experiments.gpu.kernel_isa [--shape 4x8192x16x128] [--policy fa2] [--stable] \
-        [--out FILE.json]
+    python -m lab.kernel_isa [--shape 4x8192x16x128] [--policy fa2] [--stable] \
+        [--entry NAME] [--out FILE.json]
+
+``--entry NAME``: a candidate of lab/entries.json (its launch, and its tiles as call arguments)
+instead of the shipped table's launch, as ``lab.ab``'s ``new@NAME``.
 
 ``isa_counts`` (PTX text in, counts out) is what the CPU test exercises.
 """
@@ -48,6 +50,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="4x8192x16x128")
     ap.add_argument("--policy", default="fa2")
     ap.add_argument("--stable", action="store_true")
+    ap.add_argument("--entry", default=None, help="a candidate of lab/entries.json")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dump = tempfile.mkdtemp(prefix="jf-xla-dump-")
@@ -60,14 +63,16 @@ def main(argv=None):
     import numpy as np
 
     import jax_flash as jf
+    from lab import ab
 
     if jax.default_backend() != "gpu":
         raise SystemExit("kernel_isa inspects compiled GPU kernels: it needs a GPU")
     shape = tuple(int(x) for x in args.shape.split("x"))
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
-    loss = lambda q, k, v: jf.attention(q, k, v, policy=args.policy, stable=args.stable,
-                                        impl="pallas").astype(jnp.float32).sum()
+    spec = "new" + (f"@{args.entry}" if args.entry else "") + (":stable" if args.stable else "")
+    kw = ab.call_kwargs(spec, ab.candidate_entries(), policy=args.policy)
+    loss = lambda q, k, v: jf.attention(q, k, v, impl="pallas", **kw).astype(jnp.float32).sum()
     jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
     kernels = {}
     files = [f for f in sorted(Path(dump).rglob("*")) if f.suffix in (".ptx", ".ll")]
@@ -81,7 +86,8 @@ def main(argv=None):
         suffixes = sorted({f.suffix for f in Path(dump).rglob("*")})
         print(f"no PTX / LLVM IR with matrix instructions under {dump} ({len(files)} such files;"
               f" suffixes there: {suffixes})")
-    rec = dict(shape=list(shape), policy=args.policy, stable=args.stable, kernels=kernels,
+    rec = dict(shape=list(shape), policy=args.policy, stable=args.stable, entry=args.entry,
+               plan=jf.plan(q, k, v, impl="pallas", **kw).to_dict(), kernels=kernels,
                jax_version=jax.__version__, device=jax.devices()[0].device_kind)
     if args.out:
         Path(args.out).write_text(json.dumps(rec, indent=1))

@@ -1,19 +1,20 @@
 """Static op counts of our Mosaic GPU forward kernel, per configuration, on a CPU (no GPU needed).
 
-    python -m experiments.mosaic_ops [--shape 1x2048x2x128] [--variants base,stable,stable+int]
+    python -m lab.mosaic_ops [--shape 1x2048x2x128] [--variants base,stable,stable-k64]
 
 Mosaic GPU lowers the kernel in Python to per-thread MLIR (arith / vector / nvvm ops on each thread's
 registers: the wgmma layout gives a thread 2-element vectors of a tile's rows) before it is serialized
 for the GPU compiler. The module is caught there (``jax.export`` for CUDA, which works without a GPU
 on jax ≥ 0.11) and its ops are counted. The difference between two configurations is what one adds
 per loop body (the causal kernel has two bodies: masked and unmasked tiles) — a proxy for the extra
-instructions before ptxas, used to predict what the stable shift costs (docs/PERF_NOTES.md, "v13
-measured": the tie count's three ops per entry and the per-row shift arithmetic). Not a timing.
+instructions before ptxas, e.g. what the stable shift's tie count and per-row shift add. Not a
+timing. Variants: ``base`` and ``stable`` with the call's default numerics (``jax_flash.plan``),
+``-k64`` / ``-k128`` for that key tile (``block_k``), ``+late`` / ``-late`` for ``scale_late`` on /
+off. The companion of ``lab.triton_ops`` (the Triton forward).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import re
@@ -21,11 +22,9 @@ import re
 import jax
 import jax.numpy as jnp
 
-VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
-            "stable+int": dict(stable=True, tie_count_int=True),
-            "base-k128": dict(stable=False, block_k=128), "stable-k128": dict(stable=True, block_k=128),
-            "stable-k128+int": dict(stable=True, block_k=128, tie_count_int=True),
-            "stable-k128+sf": dict(stable=True, block_k=128, shift_factor=True)}
+from lab.triton_ops import counts_from_args, numerics, variants
+
+VARIANTS = variants({"": {}, "-k64": {"block_k": 64}, "-k128": {"block_k": 128}})
 
 
 @contextlib.contextmanager
@@ -47,15 +46,12 @@ def _captured_modules():
         core._run_serde_pass = orig
 
 
-def op_counts(shape=(1, 2048, 2, 128), causal=True, **cfg_kw) -> collections.Counter:
-    """Ops of the forward kernel's module, by name (``arith.cmpf``: …), for a Config with ``cfg_kw``."""
+def op_counts(shape=(1, 2048, 2, 128), causal=True, **num_kw) -> collections.Counter:
+    """Ops of the forward kernel's module, by name (``arith.cmpf``: …), for
+    ``triton_ops.numerics(shape, causal, **num_kw)``."""
     from jax_flash.pallas import forward_mosaic
-    from jax_flash.policy import make_policy
-    from jax_flash.tile import Config
 
-    b, t, h, d = shape
-    cfg = Config(policy=make_policy("fa2", jnp.bfloat16), causal=causal, beta=2.0, sm_scale=d ** -0.5,
-                 delta="o", q_len=t, kv_len=t, **{"stable": False, "block_q": 64, "block_k": 64, **cfg_kw})
+    cfg = numerics(shape, causal, **num_kw)
     sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     f = jax.jit(lambda q, k, v: forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=jnp.bfloat16))
     with _captured_modules() as seen:
@@ -78,13 +74,7 @@ def difference(a: collections.Counter, b: collections.Counter) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="1x2048x2x128")
-    ap.add_argument("--variants", default="base,stable,stable+int")
-    args = ap.parse_args(argv)
-    shape = tuple(int(x) for x in args.shape.split("x"))
-    names = args.variants.split(",")
-    counts = {n: op_counts(shape, **VARIANTS[n]) for n in names}
+    names, counts = counts_from_args(argv, __doc__, "1x2048x2x128", VARIANTS, op_counts)
     for n in names:
         print(f"{n}: {sum(counts[n].values())} ops")
     for n in names[1:]:

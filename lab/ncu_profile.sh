@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Hardware counters of the jax-flash kernels (Nsight Compute), to see what bounds them: issue 6's
-# stable forward costs +14 % at 4×8192 causal but +1 % at 8×2048 with the same launch, and the
-# forward's time hardly moves with tile size or warps (bench/results/*-tune-log.json).
-# Usage on the device machine: bash experiments/gpu/ncu_profile.sh [CASE ...]
+# Hardware counters of the jax-flash kernels (Nsight Compute), to see what bounds them: speed of
+# light, pipe use, warp stalls, instruction mix, occupancy, per kernel of one attention call.
+# Usage on the device machine: bash lab/ncu_profile.sh [CASE ...]
 # CASE = SHAPE:POLICY:STABLE:PASS[:ENTRY], e.g. 4x8192x16x128:fa2:1:fwd (default: the four below);
-# ENTRY: a candidate launch of bench/entries-*.json (e.g. k128) instead of the shipped table.
+# PASS: fwd (one jax_flash kernel per call) or fwd+bwd (three: forward, dK/dV, dQ);
+# ENTRY: a candidate of lab/entries.json (e.g. k128: its launch, and its tiles as call arguments)
+# instead of the shipped table's launch (variants as in lab.ab: new@ENTRY).
 # Writes $OUT/ncu/<case>.csv (details page: speed of light, pipes, warp stalls, instruction mix)
 # and <case>-raw.csv (every raw metric), and a one-line summary per kernel to stdout.
 set -u
@@ -16,33 +17,29 @@ CASES=("$@")
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats
           --section InstructionStats --section Occupancy --section LaunchStats --section SchedulerStats"
 # SOURCE=1: also sample warp stalls per SASS instruction and write <case>-sass.csv (which load or
-# barrier the backward's long-scoreboard and barrier stalls sit on: docs/PERF_NOTES.md, v9 profile)
+# barrier a kernel's stalls sit on; read it with python -m lab.ncu_sass)
 [ "${SOURCE:-0}" = 1 ] && SECTIONS="$SECTIONS --section SourceCounters"
 DRIVER=$(mktemp --suffix=.py)
 cat > "$DRIVER" <<'PY'
 # Runs one attention pass three times; the profiler skips the first (compile, warm-up) call's kernels.
-import sys
+import json, sys
 import jax, jax.numpy as jnp, numpy as np
-import contextlib
 import jax_flash as jf
-from bench.ab import candidate_entries
-from jax_flash.pallas import tuning
+from bench.attention import _jax_pass
+from lab import ab
 shape, policy, stable, pss, entry = sys.argv[1:6]
-launch = tuning.override(candidate_entries()[entry]) if entry else contextlib.nullcontext()
-launch.__enter__()  # for the whole run (kept referenced: the override lasts while the block is open)
+spec = "new" + (f"@{entry}" if entry else "") + (":stable" if stable == "1" else "")
 shape = tuple(int(x) for x in shape.split("x"))
 q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.bfloat16) for i in range(3))
-f = lambda q, k, v: jf.attention(q, k, v, policy=policy, stable=stable == "1", impl="pallas")
-if pss == "fwd":
-    g = jax.jit(f)
-else:
-    g = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+g = _jax_pass(ab._attention_fn(spec, {"new": jf}, ab.candidate_entries(), True, policy), pss)
+plan = jf.plan(q, k, v, **ab.call_kwargs(spec, ab.candidate_entries(), True, policy))
+print(spec, json.dumps(plan.to_dict()))  # into the case's log: what ran
 for _ in range(3):
     jax.block_until_ready(g(q, k, v))
-launch.__exit__(None, None, None)
 PY
 for case in "${CASES[@]}"; do
   IFS=: read -r shape policy stable pss entry <<< "$case"
+  case "$pss" in fwd|fwd+bwd) ;; *) echo "$case: PASS must be fwd or fwd+bwd"; continue ;; esac
   n=$([ "$pss" = fwd ] && echo 1 || echo 3)  # jax_flash kernels per call: fwd; or fwd, dK/dV, dQ
   name=$(echo "$case" | tr ':+' '__')
   rep=$(mktemp -d)/prof

@@ -1,11 +1,11 @@
 """Where do a kernel's warp stalls sit, per SASS instruction? Reads Nsight Compute's source page
 exported as CSV (``ncu --import R.ncu-rep --csv --page source --print-source sass``, written by
-``SOURCE=1 bash experiments/gpu/ncu_profile.sh``; plain or gzipped) and prints, per kernel: the
+``SOURCE=1 bash lab/ncu_profile.sh``; plain or gzipped) and prints, per kernel: the
 stall samples, their reasons, the instruction groups they sit on (cp.async, shared memory, barrier,
 wgmma wait, MUFU, ...), which groups carry each of the top reasons, and the top-N instructions.
 
-    python -m experiments.gpu.ncu_sass FILE.csv[.gz] [--top N] [--md OUT.md]
-    python -m experiments.gpu.ncu_sass FILE.csv[.gz] --against BASE.csv[.gz] [--per MUFU.EX2] [--loop]
+    python -m lab.ncu_sass FILE.csv[.gz] [--top N] [--md OUT.md]
+    python -m lab.ncu_sass FILE.csv[.gz] --against BASE.csv[.gz] [--per MUFU.EX2] [--loop]
 
 ``--against``: what a variant adds, per opcode — executed (warp-level) instructions and stall samples
 of the first kernel of each file side by side, largest change first, then samples per stall reason;

@@ -1,7 +1,7 @@
 """Where the stable forward's extra time goes at one shape: the per-entry tie count against the
-per-row shift (docs/PERF_NOTES.md, v16).
+per-row shift.
 
-    python -m experiments.gpu.stable_parts [--shape 32x1024x12x64] [--rounds 20] [--reps 6]
+    python -m lab.stable_parts [--shape 32x1024x12x64] [--rounds 20] [--reps 6]
         [--sync round] [--out FILE.json]
 
 Diagnostic forms of the stable forward, each built by replacing one part of ``tile.py``'s stable
@@ -17,7 +17,7 @@ shift while the kernel is traced — not shippable, they change what the shift c
 
 Forward only (the backward is the same kernel with and without the shift), interleaved in balanced
 order (``bench.attention.timed_interleaved``); the records carry per-round times, so ``python -m
-bench.ab ratio FILE --variant V --base base`` gives paired ratios.
+lab.ab ratio FILE --variant V --base base`` gives paired ratios.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _per_row_only(s, mask, r_m, cfg, raw=False):
     return jnp.where(r_m > 3e38, 2.0, 0.0)  # no finite score reaches it: "no ties", per row
 
 
-def _count_only(s, mask, r_m, cfg, floor=None, second=None, raw=False):
+def _count_only(s, mask, r_m, cfg, floor=None, raw=False):
     ties = tile.tie_count(s, mask, r_m, cfg, raw)
     return jnp.where(ties > 1, jnp.maximum(cfg.beta * r_m, 0.0), r_m)
 

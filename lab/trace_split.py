@@ -2,16 +2,17 @@
 the first — read from a JAX profiler trace (CUPTI's kernel records, in situ: no cache flush or
 serialisation as under Nsight Compute).
 
-    python -m experiments.gpu.trace_split [--shape 4x8192x16x128] [--pass fwd+bwd]
-        [--variants new,new@k64] [--entries bench/entries-stable.json] [--calls 20] [--out F.json]
+    python -m lab.trace_split [--shape 4x8192x16x128] [--pass fwd+bwd]
+        [--variants new,new@k64] [--entries lab/entries.json] [--calls 20] [--out F.json]
 
-Variants as in ``bench.ab`` (``new``, ``new@ENTRY``, ``:stable``, ``cudnn``). Each variant is jitted,
-warmed up, then called ``--calls`` times inside ``jax.profiler.trace``, each call waited for on its
-own (as ``bench.ab``'s ``sync="call"``). The trace's device events are split per call at the host's
-``PjitFunction`` events; per call: the host-to-first-kernel wait, each kernel's time, the device's busy
-time (union of its events), the span from first start to last end, and the idle time inside that span.
-Printed as medians per variant; ``--out`` keeps them with the per-call rows. The question it was
-written for (docs/PERF_NOTES.md "v14"): a forward 0.45 ms faster left fwd+bwd at 4×8192 unchanged.
+Variants as in ``lab.ab`` (``new``, ``new@ENTRY``, ``mosaic``, ``:stable``, ``cudnn``). Each variant is
+jitted, warmed up, then called ``--calls`` times inside ``jax.profiler.trace``, each call waited for
+on its own (as ``lab.ab``'s ``sync="call"``). The trace's device events are split per call at the
+host's ``PjitFunction`` events; per call: the host-to-first-kernel wait, each kernel's time, the
+device's busy time (union of its events), the span from first start to last end, and the idle time
+inside that span.
+Printed as medians per variant; ``--out`` keeps them with the per-call rows. What it answers: why
+a faster kernel need not make the call faster (time spent between kernels or before the first).
 
 Without a GPU: ``--from-json F.json`` prints a saved run again, with the medians of the first and
 the second half of the calls apart (the GPU's clocks fall as it warms: later calls are slower);
@@ -151,14 +152,14 @@ def main(argv=None):
     import numpy as np
 
     import jax_flash
-    from bench import ab
     from bench.attention import _jax_pass
+    from lab import ab
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="4x8192x16x128")
     p.add_argument("--pass", dest="pss", default="fwd+bwd", choices=("fwd", "bwd", "fwd+bwd"))
     p.add_argument("--variants", default="new")
-    p.add_argument("--entries", default=None)
+    p.add_argument("--entries", default=str(ab.ENTRIES), help="JSON file: NAME -> entry")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--from-json", default=None, help="print a saved --out file (no GPU), with halves")
@@ -177,7 +178,7 @@ def main(argv=None):
     if a.smi or a.from_json:
         return
     shape = tuple(int(x) for x in a.shape.split("x"))
-    entries = json.load(open(a.entries)) if a.entries else {}
+    entries = json.load(open(a.entries))
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
     out = {"shape": list(shape), "pass": a.pss, "jax_version": jax.__version__,

@@ -1,14 +1,16 @@
 """Static op counts of our Triton forward kernel, per configuration, on a CPU (no GPU needed).
 
-    python -m experiments.triton_ops [--shape 1x1024x1x64] [--variants base,stable,stable+factor]
+    python -m lab.triton_ops [--shape 1x1024x1x64] [--variants base,stable,stable+late]
 
 The Pallas Triton lowering turns the kernel into a Triton IR module (``tt`` / ``arith`` / ``scf`` ops
 on whole tiles) that XLA's GPU compiler later turns into PTX. ``jax.export`` for CUDA runs that
 lowering on a CPU; the module is caught there and its ops are counted. The stable − base difference
-is what the stable shift adds to the forward (the causal kernel with ``split_diagonal`` has two loop
-bodies, so each added op appears twice). An op on a [rows] vector runs once per row a thread holds;
-one on a [rows, keys] tile once per entry (docs/PERF_NOTES.md, v16). Not a timing, and ptxas decides
-the instructions. The companion of ``experiments.mosaic_ops`` (the Mosaic GPU forward).
+is what the stable shift adds to the forward (``LAUNCH`` splits the causal loop at the diagonal, so
+each added op appears twice, once per loop body). An op on a [rows] vector runs once per row a
+thread holds; one on a [rows, keys] tile once per entry. Not a timing, and ptxas decides the
+instructions. Variants: ``base`` and ``stable``, each with the call's default numerics
+(``jax_flash.plan``), or with ``scale_late`` forced on (``+late``) or off (``-late``). The companion
+of ``lab.mosaic_ops`` (the Mosaic GPU forward).
 """
 
 from __future__ import annotations
@@ -16,21 +18,31 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import importlib
 import re
 
 import jax
 import jax.numpy as jnp
 
-# the shipped 32×1024 entry's launch (jax_flash/pallas/tuning.json "fa2/d64/t1024/causal")
-SHIPPED_D64 = dict(block_q=64, block_k=64, split_diagonal=True, prefetch_scores=True)
-VARIANTS = {"base": dict(stable=False), "stable": dict(stable=True),
-            "stable+int": dict(stable=True, tie_count_int=True),
-            "stable+factor": dict(stable=True, shift_factor=True),
-            "stable+top2": dict(stable=True, tie_top2=True),
-            "base+ftz": dict(stable=False, exp2_ftz=True), "stable+ftz": dict(stable=True, exp2_ftz=True),
-            "base+ftz+late": dict(stable=False, exp2_ftz=True, scale_late=True),
-            "stable+ftz+late": dict(stable=True, exp2_ftz=True, scale_late=True)}
+import jax_flash as jf
+
+# both of the Triton forward's launch options: two loop bodies (the tiles below the causal diagonal
+# without a mask, then the diagonal's) and the next tile's scores ahead of this tile's softmax
+LAUNCH = jf.Launch(split_diagonal=True, prefetch_scores=True)
+
+
+def variants(tiles=None) -> dict:
+    """name -> ``numerics`` arguments: ``base`` and ``stable``, then a suffix of ``tiles`` (suffix
+    -> call arguments, e.g. ``{"-k64": {"block_k": 64}}``; none: the call's default tiles), then
+    "" / "+late" / "-late" for ``scale_late`` as the call's default, on, off."""
+    late = {"": None, "+late": True, "-late": False}
+    return {kind + tile + suffix: dict(stable=kind == "stable", scale_late=value, **call)
+            for kind in ("base", "stable") for tile, call in (tiles or {"": {}}).items()
+            for suffix, value in late.items()}
+
+
+VARIANTS = variants()
 _OPS = re.compile(r"= ((?:arith|tt|math)\.[a-z_]+)")
 FREE = ("arith.constant", "tt.splat")  # constants, and scalars splatted to tiles (no per-entry work)
 
@@ -69,19 +81,22 @@ def _captured_modules():
             setattr(obj, name, old)
 
 
-def module_text(shape=(1, 1024, 1, 64), causal=True, **cfg_kw) -> str:
-    """The Triton IR of the forward kernel for a Config with ``cfg_kw`` (over the shipped D = 64
-    launch)."""
-    from jax_flash.policy import make_policy
-    from jax_flash.tile import Config
+def numerics(shape, causal=True, stable=False, scale_late=None, policy="fa2", **call):
+    """The ``Numerics`` of a bfloat16 call at ``shape`` as ``jax_flash.plan`` makes it (``call``: more
+    arguments of the call, e.g. ``block_k``), with ``scale_late`` replaced where it is not None."""
+    sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    num = jf.plan(sds, sds, sds, causal=causal, stable=stable, policy=policy, impl="jnp",
+                  **call).numerics
+    return num if scale_late is None else dataclasses.replace(num, scale_late=scale_late)
 
-    b, t, h, d = shape
-    kw = {**SHIPPED_D64, "stable": False, **cfg_kw}
-    cfg = Config(policy=make_policy("fa2", jnp.bfloat16), causal=causal, beta=2.0, sm_scale=d ** -0.5,
-                 delta="o", q_len=t, kv_len=t, **kw)
+
+def module_text(shape=(1, 1024, 1, 64), causal=True, launch=LAUNCH, **num_kw) -> str:
+    """The Triton IR of the forward kernel under ``launch`` for ``numerics(shape, causal,
+    **num_kw)``."""
+    cfg = numerics(shape, causal, **num_kw)
     sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     forward = importlib.import_module("jax_flash.pallas.forward").forward
-    f = jax.jit(lambda q, k, v: forward(q, k, v, cfg, o_dtype=jnp.bfloat16))
+    f = jax.jit(lambda q, k, v: forward(q, k, v, cfg, launch, o_dtype=jnp.bfloat16))
     with _captured_modules() as seen:
         jax.export.export(f, platforms=["cuda"], disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(sds, sds, sds)
@@ -90,9 +105,9 @@ def module_text(shape=(1, 1024, 1, 64), causal=True, **cfg_kw) -> str:
     return seen[-1]
 
 
-def op_counts(shape=(1, 1024, 1, 64), causal=True, **cfg_kw) -> collections.Counter:
-    """Ops of the forward kernel's Triton module, by name (``arith.cmpf``: …)."""
-    return collections.Counter(_OPS.findall(module_text(shape, causal, **cfg_kw)))
+def op_counts(shape=(1, 1024, 1, 64), causal=True, **kw) -> collections.Counter:
+    """Ops of the forward kernel's Triton module (``module_text``), by name (``arith.cmpf``: …)."""
+    return collections.Counter(_OPS.findall(module_text(shape, causal, **kw)))
 
 
 def difference(a: collections.Counter, b: collections.Counter, free=FREE) -> dict:
@@ -100,14 +115,20 @@ def difference(a: collections.Counter, b: collections.Counter, free=FREE) -> dic
     return {k: b[k] - a[k] for k in sorted(set(a) | set(b)) if b[k] != a[k] and k not in free}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="1x1024x1x64")
+def counts_from_args(argv, doc, shape, variants, op_counts):
+    """(variant names, {name: op counts}) from an op counter's command line: ``--shape`` (default
+    ``shape``) and ``--variants`` (names of ``variants``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default=shape)
     ap.add_argument("--variants", default="base,stable")
     args = ap.parse_args(argv)
-    shape = tuple(int(x) for x in args.shape.split("x"))
+    dims = tuple(int(x) for x in args.shape.split("x"))
     names = args.variants.split(",")
-    counts = {n: op_counts(shape, **VARIANTS[n]) for n in names}
+    return names, {n: op_counts(dims, **variants[n]) for n in names}
+
+
+def main(argv=None):
+    names, counts = counts_from_args(argv, __doc__, "1x1024x1x64", VARIANTS, op_counts)
     base = counts[names[0]]
     for n in names:
         total = sum(v for k, v in counts[n].items() if k not in FREE)

@@ -1,4 +1,4 @@
-"""experiments.gpu.ncu_sass on a small hand-written Nsight Compute SASS export (two kernels)."""
+"""lab.ncu_sass on a small hand-written Nsight Compute SASS export (two kernels)."""
 
 import csv
 import gzip
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from experiments.gpu import ncu_sass as ns
+from lab import ncu_sass as ns
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
           "Warp Stall Sampling (Not-issued Samples)", "# Samples", "Instructions Executed",

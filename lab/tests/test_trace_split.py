@@ -1,4 +1,4 @@
-"""experiments/gpu/trace_split.py: splitting a profiler trace into calls, kernels and idle time (the
+"""lab/trace_split.py: splitting a profiler trace into calls, kernels and idle time (the
 parser on synthetic traces with known answers; the capture on a CPU, where there are no GPU events)."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.gpu import trace_split as ts
+from lab import trace_split as ts
 
 
 def _trace(calls, rng):
@@ -31,7 +31,7 @@ def _trace(calls, rng):
 
 
 def test_split_calls_finds_kernels_waits_and_idle_time():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     calls = [[("fwd", float(rng.uniform(100, 300)), float(rng.uniform(0, 80))),
               ("dkdv", float(rng.uniform(100, 300)), float(rng.uniform(0, 80))),
               ("dq", float(rng.uniform(100, 300)), 0.0)] for _ in range(5)]
@@ -71,7 +71,7 @@ def test_capture_on_cpu_sees_every_call(tmp_path):
 
 
 def test_halves_split_the_calls_in_order():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     early, late = rng.uniform(7, 8, 10), rng.uniform(8.5, 9, 10)  # a GPU slowing as it warms
     rows = [{"kernels": [("k", x)], "wait_ms": 0.1, "busy_ms": x, "span_ms": x, "idle_ms": 0.0}
             for x in np.concatenate([early, late])]

@@ -1,0 +1,49 @@
+"""The Triton forward lowered for CUDA on a CPU (``lab.triton_ops``: the Pallas lowering's Triton IR,
+caught before XLA's GPU compiler): what the stable shift and ``scale_late`` add to the kernel, op by
+op. Counts per loop body: ``triton_ops.LAUNCH`` splits the causal loop into two bodies."""
+
+import collections
+import re
+
+from lab import triton_ops
+
+BODIES = 2
+
+
+def test_stable_shift_adds_few_ops_per_row():
+    """stable − base is the count's compare, select and add per entry plus the per-row shift (target,
+    guard, fold, selects): 21 ops per body in the current form. A bound, so that a costlier form
+    of the shift does not slip back in."""
+    base, stable = (triton_ops.op_counts(**triton_ops.VARIANTS[n]) for n in ("base", "stable"))
+    extra = triton_ops.difference(base, stable)
+    assert extra.get("arith.cmpf") == BODIES * 3  # the entry's compare, ties > 1, over > 0
+    assert "arith.fptosi" not in extra and "arith.andi" not in extra  # floor in one op, no r_m ≠ 0 test
+    assert BODIES * 15 <= sum(extra.values()) <= BODIES * 22
+
+
+def test_fa2_exps_are_the_ftz_instruction():
+    """"fa2" (``Policy.exp_ftz``): the forward's exps — P̄ per entry and α per row, in each body —
+    are one inline ``ex2.approx.ftz.f32`` each, and libdevice's exp2 (whose subnormal handling costs
+    a compare and two multiplies per entry) is gone; the stable shift adds no exp."""
+    for kind in ("base", "stable"):
+        text = triton_ops.module_text(**triton_ops.VARIANTS[kind])
+        assert text.count("ex2.approx.ftz.f32") == BODIES * 2, kind
+        assert "__nv_exp" not in text, kind
+
+
+def _mulf_by_shape(text):
+    return collections.Counter(re.findall(r"= arith\.mulf [^:]*: tensor<([0-9x]+)xf32>", text))
+
+
+def test_scale_late_moves_the_scale_into_the_exponent():
+    """``scale_late``: the scores stay unscaled q·kᵀ, and each body multiplies them by the scale in
+    the exponent's argument instead (scale·s − m: one FMA after ptxas), so the per-entry multiplies
+    per body stay one; the scale moves onto the row max (one multiply per row and body), and the
+    scores computed ahead of the loop (``prefetch_scores``) lose theirs. At D = 32 the [64, 32]
+    accumulator's multiplies are apart from the [64, 64] score tile's."""
+    shape = (1, 1024, 1, 32)
+    early, late = (_mulf_by_shape(triton_ops.module_text(shape, **triton_ops.VARIANTS[n]))
+                   for n in ("base-late", "base+late"))
+    assert early["64x64"] == BODIES + 1 and late["64x64"] == BODIES
+    assert late["64"] == early["64"] + BODIES
+    assert late["64x32"] == early["64x32"] == BODIES  # acc·α, untouched
