@@ -2,11 +2,11 @@
 PyTorch's flash kernel, plus compiled memory footprints.
 
     python -m bench.attention [--shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128] [--reps 30]
-        [--rounds 5] [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md docs/BENCHMARKS.md]
-    python -m bench.attention --from-json bench/results/FILE.json --md docs/BENCHMARKS.md   # re-render
+        [--rounds 5] [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md FILE.md]
+    python -m bench.attention --from-json bench/results/FILE.json --md /dev/stdout   # re-render
 
-Method (../shared/ANCHORS.md): bf16, median of ≥ ``--reps`` timed runs after warm-up, all impls in
-one process, the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``); FLOPs = 4·B·H·T²·D non-causal, half that causal; fwd+bwd counted as 3.5× fwd. Records:
+Method (docs/PERFORMANCE.md, "How speed is measured"): bf16, median of ≥ ``--reps`` timed runs
+after warm-up, all impls in one process, the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``); FLOPs = 4·B·H·T²·D non-causal, half that causal; fwd+bwd counted as 3.5× fwd. Records:
 ``{"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device"}``
 with impl in jax_flash, cudnn, xla, jax_pallas_mha, torch_flash (the last two when importable). Memory
 (``…-memory.json`` beside it): ``{"impl", "pass": "fwd+bwd", "shape", "temp_bytes", ...}`` from the
@@ -44,14 +44,13 @@ def _timed(f, args, reps, sync=jax.block_until_ready, calls=1):
 
 def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round=None):
     """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
-    ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike:
-    timed one after another, the stable kernel's extra time at 8×2048 read +12.2 % where interleaved
-    runs read +0.8 … +4.0 % (docs/PERF_NOTES.md v9). Odd rounds run the fns in reverse order, so that
-    no fn always follows the same one (docs/PERF_NOTES.md "v15": in the fixed order the 4×8192 stable
-    extra read +10 % per call where A/Bs read +5 %). A fn that fails to compile is logged and left out.
+    ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike.
+    Odd rounds run the fns in reverse order, so that no fn always follows the same one (in a fixed
+    order one stable/baseline pair read ×1.071 where balanced runs read ×1.021–×1.028:
+    docs/PERFORMANCE.md, "How speed is measured"). A fn that fails to compile is logged and left out.
 
     ``sync="call"``: every call is a sample, waited for on its own (``rounds × reps`` samples; each
-    includes the per-call dispatch and sync, ~0.18 ms on the H200 host: PERF_NOTES v9 profile).
+    includes the host's per-call dispatch and sync).
     ``sync="round"``: a round's ``reps`` calls are dispatched back to back and waited for once; the
     sample is their mean (``rounds`` samples) — the kernels' throughput, as inside a jitted step.
     ``args``: one tuple for every fn, or a dict name → tuple (e.g. float16 inputs for a kernel that
@@ -116,8 +115,8 @@ def _jax_impls(causal):
 def kernels(q, causal, policy, stable, pss="fwd") -> dict:
     """The kernels ``jf.attention`` runs for this call and pass: ``{"fwd_kernel": ...}`` and for
     "fwd+bwd" also ``"bwd_kernel"`` — "mosaic", "mosaic_dkdv" (Mosaic dK/dV, Triton dQ) or "triton"
-    (the tuning table decides, docs/PERF_NOTES.md), "jnp" off the GPU; recorded, since the table
-    changes them."""
+    (the tuning table decides: docs/PERFORMANCE.md, "Which runs where"), "jnp" off the GPU; recorded,
+    since the table changes them."""
     from jax_flash import api
     from jax_flash.pallas import backward_mosaic, forward_mosaic
 
@@ -161,7 +160,7 @@ def _jax_pass(f, pss):
 
 
 def pass_flops(shape, causal, pss):
-    """FLOPs of one call (ANCHORS.md): 4·B·H·T²·D, half of it causal; fwd+bwd counted as 3.5× fwd
+    """FLOPs of one call: 4·B·H·T²·D, half of it causal; fwd+bwd counted as 3.5× fwd
     (so the backward alone as 2.5×)."""
     b, t, h, d = shape
     fwd = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
@@ -322,8 +321,8 @@ def _stable_extra(records, shape, pss):
 
 
 def targets(records):
-    """Issue 6's targets as ratios within this run, per shape (causal): "fa2" fwd+bwd speed over cuDNN's
-    and over JAX's Pallas mha, and the stable kernel's extra time over the baseline (fwd+bwd, fwd;
+    """The project's speed targets as ratios within this run, per shape (causal): "fa2" fwd+bwd
+    speed over cuDNN's and over JAX's Pallas mha, and the stable kernel's extra time over the baseline (fwd+bwd, fwd;
     paired by round with a 90 % interval where the records have per-round times)."""
     lines = ["\n### Targets (ratios within this run; speed ratio = other's ms / ours)",
              "| shape | fa2 vs cuDNN, fwd+bwd | fa2 vs Pallas mha, fwd+bwd | stable extra time, fwd+bwd "

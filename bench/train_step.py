@@ -1,6 +1,6 @@
 """GPT-2 small training throughput on one GPU, attention arms side by side in one process.
 
-    python -m experiments.gpu.throughput [--steps 30] [--batch 32] [--arms flash,flash-stable,cudnn]
+    python -m bench.train_step [--steps 30] [--batch 32] [--arms flash,flash-stable,cudnn]
         [--out FILE.json]
 
 Synthetic uniform tokens (throughput does not depend on the text), the small-gpu preset (GPT-2

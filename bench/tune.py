@@ -75,8 +75,8 @@ def tune_one(shape, policy, reps, deadline, log):
         both = best_of([dict(fwd[1], bwd=launch_of(lc)) for lc in LAUNCHES], "fwd+bwd")
         if both is not None:
             finalists.append(both)
-    # One-shot timings of the same ~1-ms configuration spread by up to 17 % on the H200 (PERF_NOTES
-    # v3–v6), so the best FINALISTS, each without and with mask-free interior loops, are timed again
+    # One-shot timings of the same ~1-ms configuration spread by up to 17 % on the H200 (0.967 and
+    # 1.137 ms in bench/results/2026-11-29-NVIDIA_H200-tune-log.json), so the best FINALISTS, each without and with mask-free interior loops, are timed again
     # in ROUNDS interleaved rounds and ranked by their median (even past the deadline: these few
     # trials are the answer, and the table's split_diagonal needs them).
     top = [e for _, e in sorted(finalists, key=lambda x: x[0])[:FINALISTS]]
