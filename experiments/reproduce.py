@@ -130,6 +130,9 @@ def table(args):
         loss_at = {s: next((r["loss"] for r in recs if r["step"] == s and "loss" in r), None)
                    for s in (1000, 2000, 3000)}
         last_step = max((r["step"] for r in recs), default=0)
+        peak = max(probes, key=lambda r: r[f"max_logit/L{LAYER}"]) if probes else {}
+        vals = [r for r in recs if "val_loss" in r]
+        low = min(vals, key=lambda r: r["val_loss"]) if vals else {}
         rows.append({
             "run": name, "steps": last_step,
             "L1 max logit >100 at": first_step_above(probes, f"max_logit/L{LAYER}", 100),
@@ -143,6 +146,11 @@ def table(args):
             "last L1 tie frac, bf16 S": last.get(f"tie_frac_bf16s/L{LAYER}"),
             **{f"loss@{s}": v for s, v in loss_at.items()},
             **{f"mean loss {s - 99}–{s}": mean_loss(recs, s) for s in (3000, 4000)},
+            **{f"mean loss {a}–{b}": mean_loss(recs, b, b - a + 1) for a, b in args.loss_window},
+            "L1 max logit, largest probe": peak.get(f"max_logit/L{LAYER}"),
+            "largest probe at": peak.get("step"),
+            "val loss min": low.get("val_loss"), "val loss min at": low.get("step"),
+            "last val loss": vals[-1]["val_loss"] if vals else None,
             "step ms (median)": 1e3 * statistics.median(times) if (times := _plain_step_times(recs)) else None,
             "diverged at": summary.get("diverged_at") or f"none by {last_step}",
             **probe_overhead(recs),
@@ -372,12 +380,16 @@ def executions_cmd(args):
                                                 for s in seeds)
                      + (f" | {k} of {n} executions |" if arm != args.control else " | — |")
                      + f" {k100} of {n} |")
+    # both endpoints: ≥ factor× the control (index 1 of a count) and above 100 (index 2)
+    endpoints = ((1, f"≥ {args.factor:g}× {args.control} by {args.horizon:,}"),
+                 (2, f"> 100 by {args.horizon:,}"))
     for spec in args.compare:
         a, b = ([x for x in g.split(",") if x] for g in spec.split(":"))
-        (na, ka), (nb, kb) = ((sum(counts.get(x, (0, 0, 0))[0] for x in g),
-                               sum(counts.get(x, (0, 0, 0))[2] for x in g)) for g in (a, b))
-        lines.append(f"\n> 100 by {args.horizon:,}: {' + '.join(a)} {ka} of {na} vs {' + '.join(b)} "
-                     f"{kb} of {nb}; one-sided Fisher exact p = {fisher_one_sided(ka, na, kb, nb):.3g}")
+        for idx, label in endpoints:
+            (na, ka), (nb, kb) = ((sum(counts.get(x, (0, 0, 0))[0] for x in g),
+                                   sum(counts.get(x, (0, 0, 0))[idx] for x in g)) for g in (a, b))
+            lines.append(f"\n{label}: {' + '.join(a)} {ka} of {na} vs {' + '.join(b)} {kb} of {nb}; "
+                         f"one-sided Fisher exact p = {fisher_one_sided(ka, na, kb, nb):.3g}")
     text = "\n".join(lines)
     print(text)
     if args.md:
@@ -423,6 +435,10 @@ def main(argv=None):
     t = sub.add_parser("table")
     t.add_argument("roots", nargs="+", help="folders of runs (sub-folders are searched too)")
     t.add_argument("--md", default=None)
+    t.add_argument("--loss-window", action="append", default=[],
+                   type=lambda w: tuple(int(x) for x in w.split("-")),
+                   help="FIRST-LAST: a column with the mean training loss over those steps "
+                        "(e.g. 3501-3747, where a run ended before 4,000); repeatable")
     e = sub.add_parser("executions", help="arm × seed × execution: L1 max logit at a fixed step, "
                        "and how many executions of each arm are ≥ 10× the seed's standard arm")
     e.add_argument("roots", nargs="+", help="one folder per execution (execution 1 first)")

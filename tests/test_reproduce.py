@@ -34,10 +34,19 @@ def test_run_resume_and_table(tmp_path, capsys):
     snap = load_layer_tensors(run / "tensors" / "L1_step6.npz")  # L1's q, k, v, dO at step 6
     assert snap["step"] == 6 and snap["q"].shape == snap["do"].shape == (1, 32, 4, 16)
     capsys.readouterr()
-    R.main(["table", str(tmp_path / "runs"), "--md", str(tmp_path / "t.md")])
+    R.main(["table", str(tmp_path / "runs"), "--md", str(tmp_path / "t.md"), "--loss-window", "3-6"])
     table = (tmp_path / "t.md").read_text()
     row = next(l for l in table.splitlines() if l.startswith("| fa2-s3"))
     assert "| 6 |" in row and "none by 6" in row
+    cols = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    cell = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+    losses = [r["loss"] for r in recs if "loss" in r and 3 <= r["step"] <= 6]
+    assert float(cell["mean loss 3–6"]) == float(f"{sum(losses) / 4:.4g}")
+    peak = max((r for r in recs if "max_logit/L1" in r), key=lambda r: r["max_logit/L1"])
+    assert float(cell["L1 max logit, largest probe"]) == float(f"{peak['max_logit/L1']:.4g}")
+    assert cell["largest probe at"] == str(peak["step"])
+    low = min((r for r in recs if "val_loss" in r), key=lambda r: r["val_loss"])
+    assert cell["val loss min at"] == str(low["step"])
     # an archived batch in a sub-folder is found and labelled by its relative path
     import shutil
 
@@ -174,7 +183,15 @@ def test_execution_cells_count_complete_executions_against_the_seeds_control(tmp
     R.main(["executions", str(e1), str(e2), "--arms", "fa2,standard", "--seeds", "0,1",
             "--md", str(tmp_path / "x.md"), "--plot", str(tmp_path / "x.png"),
             "--compare", "fa2:standard"])
-    assert "fa2 2 of 3 vs standard 0 of 1; one-sided Fisher exact p = 0.5" in (tmp_path / "x.md").read_text()
+    md = (tmp_path / "x.md").read_text()
+    assert "> 100 by 4,000: fa2 2 of 3 vs standard 0 of 1; one-sided Fisher exact p = 0.5" in md
+    assert "≥ 10× standard by 4,000: fa2 2 of 3 vs standard 0 of 1; one-sided Fisher exact p = 0.5" in md
+    # the two endpoints can differ: at 11× the ratio counts and "> 100" does not
+    R.main(["executions", str(e1), str(e2), "--arms", "fa2,standard", "--seeds", "0,1",
+            "--factor", "11", "--md", str(tmp_path / "y.md"), "--compare", "fa2:standard"])
+    md = (tmp_path / "y.md").read_text()
+    assert "≥ 11× standard by 4,000: fa2 1 of 3 vs standard 0 of 1; one-sided Fisher exact p = 0.75" in md
+    assert "> 100 by 4,000: fa2 2 of 3 vs standard 0 of 1" in md
     # the hypergeometric tail against a brute-force count over all ways to place the events
     import itertools
 
