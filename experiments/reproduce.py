@@ -421,7 +421,9 @@ def main(argv=None):
     r.add_argument("--steps", type=int, default=3000)
     r.add_argument("--probe-every", type=int, default=250)
     r.add_argument("--checkpoint-every", type=int, default=0)
-    r.add_argument("--resume", default="false")
+    r.add_argument("--resume", default="false",
+                   help="false: a new run; true: continue it; auto: continue it if it has a checkpoint, "
+                        "else start it (docs/TRAINING.md)")
     r.add_argument("--progress", default="false")
     r.add_argument("--data", default="data/full.npz")
     r.add_argument("--out", default="results/repro")

@@ -24,6 +24,7 @@ and the paper's 1-based heads "1, 7, 8, 9, 11, 12" are 0-based heads (0, 6, 7, 8
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +33,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-ATTENTION_KINDS = ("standard", "flash", "cudnn", "xla")
+ATTENTION_KINDS = ("standard", "flash", "cudnn", "xla")  # built in; register_attention adds more
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # the names suggested for a bad dtype
+
+
+def choice_error(field: str, value: Any, choices: Sequence[str]) -> ValueError:
+    """ValueError for a name outside ``choices``, with the closest one as a suggestion."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"{field}: unknown value {value!r}{hint} (known: {', '.join(choices)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +113,20 @@ class GPTConfig:
     attention_overrides: tuple[Override, ...] = ()
 
     def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"{name} must be an integer > 0, got {v!r}")
+        for name in ("dtype", "param_dtype", "logits_dtype"):
+            try:
+                ok = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise choice_error(name, getattr(self, name), DTYPES)
+        if not (isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std)
+                and self.init_std > 0):
+            raise ValueError(f"init_std must be a finite number > 0, got {self.init_std!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         object.__setattr__(self, "attention", _as_spec(self.attention))
@@ -215,6 +238,27 @@ ATTENTION_FNS: dict[str, Callable] = {
 def register_attention(kind: str, fn: Callable) -> None:
     """Make ``AttentionSpec(kind=kind)`` call ``fn(q, k, v, spec)`` (experiments, tests)."""
     ATTENTION_FNS[kind] = fn
+
+
+def check_attention_spec(spec: AttentionSpec) -> AttentionSpec:
+    """Raise ValueError ("field: ...") unless every field of ``spec`` names something that exists:
+    a registered kind, and jax_flash's policies, deltas and impls (also for kinds that ignore them,
+    where a misspelling is still a mistake). Returns spec."""
+    from jax_flash.api import DELTAS, IMPLS  # lazy, like flash_attention
+    from jax_flash.policy import POLICIES
+
+    if spec.kind not in ATTENTION_FNS:
+        raise choice_error("kind", spec.kind, tuple(ATTENTION_FNS))
+    for field, choices in (("policy", POLICIES), ("delta", DELTAS), ("impl", IMPLS)):
+        if getattr(spec, field) not in choices:
+            raise choice_error(field, getattr(spec, field), choices)
+    if not (isinstance(spec.beta, (int, float)) and math.isfinite(spec.beta) and spec.beta > 1):
+        raise ValueError(f"beta must be a finite number > 1, got {spec.beta!r}")
+    for field in ("block_q", "block_k"):
+        b = getattr(spec, field)
+        if b is not None and not (isinstance(b, int) and not isinstance(b, bool) and b > 0):
+            raise ValueError(f"{field} must be none or an integer > 0, got {b!r}")
+    return spec
 
 
 def attend(q, k, v, spec: AttentionSpec):
@@ -388,6 +432,8 @@ __all__: Sequence[str] = (
     "GPTConfig",
     "GPT",
     "ATTENTION_FNS",
+    "ATTENTION_KINDS",
+    "check_attention_spec",
     "register_attention",
     "attend",
     "standard_attention",

@@ -17,7 +17,7 @@ def test_run_resume_and_table(tmp_path, capsys):
     data = tmp_path / "tok.npz"
     np.savez_compressed(data, train=tok.train, val=tok.val, meta=np.array(json.dumps({"train_tokens": len(tok.train), "val_tokens": len(tok.val)})))
     args = ["run", "--arm", "fa2", "--seed", "3", "--probe-every", "2", "--data", str(data),
-            "--out", str(tmp_path / "runs"), "--checkpoint-every", "2", "--resume", "true"]
+            "--out", str(tmp_path / "runs"), "--checkpoint-every", "2", "--resume", "auto"]
     R.main(args + ["--steps", "4"] + MICRO)
     run = tmp_path / "runs" / "fa2-s3"
     cfg = json.loads((run / "config.json").read_text())

@@ -1,11 +1,13 @@
-"""train/: config overrides, schedule, optimizers, the jitted step, the loop (metrics, divergence stop,
-checkpoint/resume bitwise) and data parallelism (a subprocess with 4 host devices)."""
+"""train/: config overrides and their validation, schedule, optimizers, the jitted step, the loop
+(metrics, divergence stop, checkpoint/resume bitwise, resume policy, exit status) and data
+parallelism (a subprocess with 4 host devices). The checkpoint store itself: tests/test_checkpoint.py."""
 
 import dataclasses
 import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +21,7 @@ import pytest
 from models.gpt2 import AttentionSpec
 from train import config as C
 from train import gpt2 as T
+from train.checkpoint import CheckpointError, CheckpointStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,26 +39,59 @@ class Tokens:
         self.train, self.val, self.meta = np.tile(doc, 4), doc[: n // 3].copy(), {}
 
 
+MICRO = [
+    "model.vocab_size=512",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.n_embd=64",
+    "model.block_size=32",
+    "data.batch_size=4",
+    "optim.warmup_steps=2",
+    "optim.lr=1e-2",
+    "max_steps=8",
+    "eval_every=4",
+    "data.eval_batches=2",
+    "progress=false",
+]
+
+
 def micro_cfg(run_dir, *extra):
-    return C.apply_overrides(
-        C.get_preset("tiny-cpu"),
-        [
-            "model.vocab_size=512",
-            "model.n_layer=2",
-            "model.n_head=4",
-            "model.n_embd=64",
-            "model.block_size=32",
-            "data.batch_size=4",
-            "optim.warmup_steps=2",
-            "optim.lr=1e-2",
-            "max_steps=8",
-            "eval_every=4",
-            "data.eval_batches=2",
-            "progress=false",
-            f"run_dir={run_dir}",
-            *extra,
-        ],
-    )
+    return C.apply_overrides(C.get_preset("tiny-cpu"), [*MICRO, f"run_dir={run_dir}", *extra])
+
+
+def tokens_npz(path) -> Path:
+    """Tokens() as a token file train.data.load_tokens reads (for runs started from the CLI)."""
+    t = Tokens()
+    meta = {"train_tokens": len(t.train), "val_tokens": len(t.val)}
+    np.savez(path, train=t.train, val=t.val, meta=np.array(json.dumps(meta)))
+    return Path(path)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The uninterrupted 8-step micro run: its metrics are what every resumed run must reproduce."""
+    run = tmp_path_factory.mktemp("full")
+    summary = T.train(micro_cfg(run), tokens=Tokens())
+    assert summary["resumed_from"] is None and summary["steps"] == 8
+    return T.read_metrics(run)
+
+
+@pytest.fixture(scope="module")
+def ckpt_run(tmp_path_factory):
+    """The same run from the token file with checkpoints every 2 steps, stopped after step 4
+    (checkpoints 2 and 4). Started with resume=auto, which starts fresh when there is nothing."""
+    d = tmp_path_factory.mktemp("ckpt")
+    cfg = micro_cfg(d / "run", "checkpoint_every=2", f"data.path={tokens_npz(d / 'tokens.npz')}",
+                    "resume=auto")
+    summary = T.train(cfg, stop_after=4)
+    assert summary["resumed_from"] is None and summary["steps"] == 4
+    return d / "run", cfg
+
+
+def copy_run(ckpt_run, dest):
+    run, cfg = ckpt_run
+    shutil.copytree(run, dest)
+    return dest, dataclasses.replace(cfg, run_dir=str(dest))
 
 
 # ----------------------------------------------------------------------------- config & CLI
@@ -106,6 +142,68 @@ def test_overrides_are_typed_and_nested():
 def test_override_errors(override, match):
     with pytest.raises(ValueError, match=match):
         C.apply_overrides(C.get_preset("tiny-cpu"), [override])
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("data.batch_size=0", "batch_size must be an integer > 0"),
+        ("data.grad_accum=0", "grad_accum must be an integer > 0"),
+        ("data.seq_len=4096", "exceeds model.block_size"),
+        ("model.n_head=0", "n_head must be an integer > 0"),
+        ("model.n_layer=-1", "n_layer must be an integer > 0"),
+        ("model.dtype=bf16", "did you mean 'bfloat16'"),
+        ("optim.lr=nan", "lr must be a finite number > 0"),
+        ("optim.lr=inf", "lr must be a finite number > 0"),
+        ("optim.lr=0", "lr must be a finite number > 0"),
+        ("optim.min_lr=-1e-5", "min_lr must be a finite number >= 0"),
+        ("optim.b2=1.0", r"b2 must be in \[0, 1\)"),
+        ("optim.warmup_steps=-1", "warmup_steps must be an integer >= 0"),
+        ("optim.name=adam", "did you mean 'adamw'"),
+        ("max_steps=0", "max_steps must be an integer >= 1"),
+        ("keep_checkpoints=0", "keep_checkpoints must be an integer > 0"),
+        ("divergence_factor=1", "divergence_factor must be 0 .* or a finite number > 1"),
+        ("divergence_factor=nan", "divergence_factor"),
+        ("resume=atuo", "did you mean 'auto'"),
+        ("resume_step=4", "resume_step=4 needs resume=true"),
+        ("attention.kind=flsh", "attention.kind: unknown value 'flsh'; did you mean 'flash'"),
+        ("attention.policy=fa3", "attention.policy: unknown value 'fa3'; did you mean 'fa2'"),
+        ("attention.delta=o_hpp", "did you mean 'o_hp'"),
+        ("attention.impl=palas", "did you mean 'pallas'"),
+        ("attention.beta=1", "beta must be a finite number > 1"),
+        ("model.attention_overrides=((1, {'kind': 'flash', 'policy': 'papr'}),)",
+         r"attention_overrides\[0\]: policy: .*did you mean 'paper'"),
+        ("optim.lrr=1e-3", "unknown config key 'optim.lrr'; did you mean 'lr'"),
+    ],
+)
+def test_bad_values_are_refused_while_parsing(override, match):
+    with pytest.raises(ValueError, match=match):
+        C.apply_overrides(C.get_preset("tiny-cpu"), [override])
+
+
+def test_resume_values():
+    base = C.get_preset("tiny-cpu")
+    for raw, want in [("true", "true"), ("yes", "true"), ("1", "true"), ("false", "false"),
+                      ("auto", "auto"), ("AUTO", "auto")]:
+        assert C.apply_overrides(base, [f"resume={raw}"]).resume == want
+    assert dataclasses.replace(base, resume=True).resume == "true"  # a bool from Python code
+    assert C.apply_overrides(base, ["resume=true", "resume_step=5"]).resume_step == 5
+
+
+def test_bad_values_stop_before_the_run_dir_exists(tmp_path, capsys):
+    run = tmp_path / "run"
+    for bad, says in [("data.batch_size=0", "batch_size"), ("optim.lr=nan", "finite"),
+                      ("attention.kind=flsh", "did you mean 'flash'"), ("max_steps=0", "max_steps")]:
+        with pytest.raises(SystemExit) as e:
+            T.parse_args([f"run_dir={run}", bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    # configs built in code are checked by train() too (AttentionSpec itself accepts any name)
+    cfg = micro_cfg(run)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, attention=AttentionSpec("flash", policy="fa3")))
+    with pytest.raises(ValueError, match="did you mean 'fa2'"):
+        T.train(cfg, tokens=Tokens())
+    assert not run.exists()
 
 
 def test_cli_parsing(capsys):
@@ -246,17 +344,18 @@ def test_checkpoint_round_trip(tmp_path):
     state, _ = step(
         state, (jnp.asarray(x[..., :-1], jnp.int32), jnp.asarray(x[..., 1:], jnp.int32))
     )
-    mngr = T._checkpoint_manager(tmp_path, keep=2)
+    store = CheckpointStore(tmp_path, keep=2)
     meta = {"step": 1, "sampler": {"seed": 0, "step": 7}, "running_min": 5.5}
-    T.save_checkpoint(mngr, 1, state, meta)
+    store.save(1, state, meta, config=C.to_dict(cfg), code={})
     like = jax.tree.map(jnp.zeros_like, state)
-    restored, meta2 = T.restore_checkpoint(mngr, mngr.latest_step(), like, None)
-    assert meta2 == meta
+    assert store.select() == (1, [])
+    restored, meta2 = store.restore(1, like, None)
+    assert meta2 == meta and C.from_dict(store.manifest(1)["config"]) == cfg
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    mngr.close()
+    store.close()
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -292,28 +391,34 @@ def test_train_loop_writes_metrics_summary_and_probes(tmp_path):
     )
 
 
-def test_resume_is_bitwise(tmp_path):
+def test_resume_is_bitwise(tmp_path, full_run):
     tokens = Tokens()
-    full = T.train(micro_cfg(tmp_path / "full"), tokens=tokens)
     part = micro_cfg(tmp_path / "part", "checkpoint_every=4")
     T.train(part, tokens=tokens, stop_after=4)  # "interrupted" after step 4
     assert len(T.read_metrics(tmp_path / "part")) == 4
     resumed = T.train(dataclasses.replace(part, resume=True), tokens=tokens)
-    assert resumed["resumed_from"] == 4 and full["resumed_from"] is None
-    a, b = T.read_metrics(tmp_path / "full"), T.read_metrics(tmp_path / "part")
+    assert resumed["resumed_from"] == 4
+    a, b = full_run, T.read_metrics(tmp_path / "part")
     assert [m["step"] for m in b] == list(range(1, 9))
     assert [m["loss"] for m in a] == [m["loss"] for m in b]  # bitwise (floats from JSON)
     assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
     assert [m.get("val_loss") for m in a] == [m.get("val_loss") for m in b]
 
 
-def _plant(monkeypatch, at_step, fn):
-    """Replace the loss metric of step `at_step` (1-based) by fn(loss)."""
+def _plant(monkeypatch, at_step, fn, key="loss"):
+    """Replace metric `key` of step `at_step` (1-based) by fn(value); key "opt_state" applies fn to
+    every floating-point leaf of the optimizer state that step leaves behind."""
     orig = T.train_step
 
     def planted(state, batch, **kw):
         new, m = orig(state, batch, **kw)
-        m = dict(m, loss=jnp.where(state["step"] == at_step - 1, fn(m["loss"]), m["loss"]))
+        hit = state["step"] == at_step - 1
+        if key == "opt_state":
+            new = dict(new, opt_state=jax.tree.map(
+                lambda x: jnp.where(hit, fn(x), x) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                new["opt_state"]))
+        else:
+            m = dict(m, **{key: jnp.where(hit, fn(m[key]), m[key])})
         return new, m
 
     monkeypatch.setattr(T, "train_step", planted)
@@ -336,6 +441,156 @@ def test_divergence_stops_on_loss_spike_after_warmup(tmp_path, monkeypatch):
         micro_cfg(tmp_path, "max_steps=8", "eval_every=0", "divergence_factor=0"), tokens=Tokens()
     )
     assert summary["diverged_at"] is None and summary["steps"] == 8
+
+
+def test_divergence_reason():
+    r = T.divergence_reason
+    assert r(10.8, 1.0, math.inf, 3.0) is None  # the first step has nothing to compare with
+    assert "non-finite loss nan" in r(math.nan, 1.0, 5.0, 3.0)
+    assert "non-finite gradient norm nan" in r(5.0, math.nan, 5.0, 3.0)
+    assert "non-finite gradient norm inf" in r(5.0, math.inf, 5.0, 3.0)
+    assert r(15.0, 1.0, 5.0, 3.0) is None and "3 x running min 5.0000" in r(15.001, 1.0, 5.0, 3.0)
+    assert r(1e6, 1.0, 5.0, 0.0) is None  # factor 0: only non-finite values stop
+
+
+def test_divergence_rule_on_the_committed_runs():
+    """Replayed over every committed run's metrics (GPT-2 small on the H200, warmup included), the
+    rule fires exactly where a recorded run was stopped and nowhere else: a healthy warmup's loss
+    stays far below 3x its running minimum."""
+    paths = sorted((REPO / "results").rglob("metrics.jsonl.gz"))
+    assert paths, "no committed runs under results/"
+    for path in paths:
+        fired, running = None, math.inf
+        for m in T.read_metrics(path.parent):
+            if "loss" not in m:
+                continue
+            if T.divergence_reason(m["loss"], m.get("grad_norm", 0.0), running, 3.0):
+                fired = m["step"]
+                break
+            running = min(running, m["loss"])
+        summary = path.parent / "summary.json"
+        stopped = json.loads(summary.read_text()).get("diverged_at") if summary.exists() else None
+        assert fired == stopped, path
+
+
+def test_nan_gradient_norm_at_a_checkpoint_step_is_not_saved(tmp_path, monkeypatch):
+    """Finite loss, NaN gradient norm at checkpoint step 4, keep_checkpoints=1: the run stops at
+    step 4 and step 2 stays on disk as the last good checkpoint (saving 4 would have rotated it
+    away)."""
+    _plant(monkeypatch, 4, lambda g: g * jnp.nan, key="grad_norm")
+    summary = T.train(micro_cfg(tmp_path, "checkpoint_every=2", "keep_checkpoints=1",
+                                "eval_every=0"), tokens=Tokens())
+    assert summary["diverged_at"] == 4 and "non-finite gradient norm" in summary["reason"]
+    assert summary["last_good_checkpoint"] == 2
+    assert [m["step"] for m in T.read_metrics(tmp_path)] == [1, 2, 3, 4]
+    store = CheckpointStore(tmp_path, 1)
+    assert store.steps() == [2] and store.verify(2) is None
+
+
+def test_nonfinite_optimizer_state_at_a_checkpoint_step_is_not_saved(tmp_path, monkeypatch):
+    """Loss and gradient norm finite, but the optimizer moments after step 4 are not: the state
+    check before the save stops the run instead."""
+    _plant(monkeypatch, 4, lambda x: x * jnp.inf, key="opt_state")
+    summary = T.train(micro_cfg(tmp_path, "checkpoint_every=2", "keep_checkpoints=1",
+                                "eval_every=0"), tokens=Tokens())
+    assert summary["diverged_at"] == 4
+    assert "non-finite values in the optimizer state" in summary["reason"]
+    assert "parameters" not in summary["reason"]  # the params after step 4 are still finite
+    assert CheckpointStore(tmp_path, 1).steps() == [2] and summary["last_good_checkpoint"] == 2
+
+
+def test_divergence_in_warmup_exits_3(tmp_path, capsys):
+    """lr 1e3: the loss leaps at step 2, inside a 10-step warmup; the CLI exits with status 3 and
+    names the step and the reason."""
+    npz = tokens_npz(tmp_path / "tokens.npz")
+    with pytest.raises(SystemExit) as e:
+        T.main([*MICRO, f"run_dir={tmp_path / 'run'}", f"data.path={npz}", "optim.lr=1e3",
+                "optim.warmup_steps=10", "checkpoint_every=1", "eval_every=0"])
+    assert e.value.code == T.EXIT_DIVERGED == 3
+    err = capsys.readouterr().err
+    assert "diverged at step 2: loss" in err and "running min" in err
+    assert "last good checkpoint: 1" in err
+    assert CheckpointStore(tmp_path / "run", 2).steps() == [1]
+
+
+def _tree_bytes(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_resume_refusals_change_nothing(tmp_path, ckpt_run):
+    run, cfg = copy_run(ckpt_run, tmp_path / "run")
+    before = _tree_bytes(run)
+    cases = [
+        (dataclasses.replace(cfg, resume="false"), T.RunError, "already holds checkpoints .*2, 4"),
+        (C.apply_overrides(cfg, ["resume=true", "max_steps=12", "attention.kind=flash",
+                                 "optim.warmup_steps=5"]),
+         T.RunError, r"resume cannot change attention.kind \('standard' -> 'flash'\), "
+                     r"optim.warmup_steps \(2 -> 5\): "),
+        (C.apply_overrides(cfg, ["resume=true", "resume_step=3"]), CheckpointError,
+         "no checkpoint at step 3"),
+        (C.apply_overrides(cfg, ["resume=true", "max_steps=3"]), T.RunError, "past max_steps=3"),
+    ]
+    for bad, err, match in cases:
+        with pytest.raises(err, match=match) as e:
+            T.train(bad)
+        assert "\n" not in str(e.value) and "max_steps (" not in str(e.value)
+        assert _tree_bytes(run) == before
+    # already at max_steps: nothing to train, nothing rewritten, the stored summary returned
+    done = T.train(C.apply_overrides(cfg, ["resume=true", "max_steps=4"]))
+    assert done == json.loads((run / "summary.json").read_text()) and done["steps"] == 4
+    assert _tree_bytes(run) == before
+    # the step asked for is damaged: stop, no fallback
+    chunk = max((p for p in (run / "checkpoints/4").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+    chunk.write_bytes(chunk.read_bytes()[:-1])  # truncated by one byte
+    before = _tree_bytes(run)
+    with pytest.raises(CheckpointError, match="checkpoint 4 .*asked for by resume_step, is damaged"):
+        T.train(C.apply_overrides(cfg, ["resume=true", "resume_step=4"]))
+    assert _tree_bytes(run) == before
+    # nothing to resume
+    with pytest.raises(T.RunError, match="holds no checkpoint to resume; resume=auto"):
+        T.train(dataclasses.replace(cfg, run_dir=str(tmp_path / "none"), resume="true"))
+    assert not (tmp_path / "none").exists()
+
+
+def test_cli_resume_falls_back_from_a_damaged_checkpoint(tmp_path, ckpt_run, full_run, capsys):
+    """16 bytes overwritten in checkpoint 4, then ``run_dir=R resume=true max_steps=6`` from the CLI:
+    one line says checkpoint 4 is damaged and the run resumes from 2; the stored config is used
+    (2 layers, not the tiny-cpu preset's 4); a trajectory key is refused with status 2; the cosine
+    keeps ending at the stored max_steps=8, so every step equals the uninterrupted run's."""
+    run, cfg = copy_run(ckpt_run, tmp_path / "run")
+    chunk = max((p for p in (run / "checkpoints/4/state").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[100:116] = bytes(b ^ 0xFF for b in data[100:116])
+    chunk.write_bytes(bytes(data))
+    config_before = (run / "config.json").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        T.main([f"run_dir={run}", "resume=true", "model.n_layer=3"])
+    assert e.value.code == T.EXIT_REFUSED
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "refused" in err and "model.n_layer (2 -> 3)" in err
+    assert (run / "config.json").read_bytes() == config_before
+
+    T.main([f"run_dir={run}", "resume=true", "max_steps=6"])  # no SystemExit: status 0
+    out = capsys.readouterr().out
+    said = [l for l in out.splitlines() if "damaged" in l]
+    assert len(said) == 1 and "4: " in said[0] and "sha256" in said[0]
+    assert "resumed from step 2, the newest intact one" in said[0]
+    assert "optim.decay_steps pinned to 8" in out
+    assert (run / "checkpoints_set_aside" / "4").is_dir()
+    stored = C.from_dict(json.loads((run / "config.json").read_text()))
+    assert stored.model.n_layer == 2 and stored.max_steps == 6 and stored.optim.decay_steps == 8
+    pick = lambda ms: [(m["step"], m["loss"], m["grad_norm"]) for m in ms if m["step"] <= 6]
+    assert pick(T.read_metrics(run)) == pick(full_run)  # bitwise, as if never interrupted
+    store = CheckpointStore(run, 2)
+    assert store.steps() == [4, 6] and store.verify(6) is None
+    assert store.manifest(6)["config"] == C.to_dict(stored)
+    # resume_step is how one process started, not part of the run: the next resume drops it
+    (run / "config.json").write_text(C.to_json(dataclasses.replace(stored, resume_step=2)))
+    again = T.parse_args([f"run_dir={run}", "resume=true"])
+    assert again.resume_step is None and again.max_steps == 6 and again.model.n_layer == 2
 
 
 def test_data_parallel_matches_single_device(tmp_path):

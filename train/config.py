@@ -7,18 +7,27 @@ Keys are dotted paths into ``TrainConfig``; ``attention.*`` is short for ``model
 Values are parsed by the field's type: int, float, bool (true/false/1/0/yes/no), str, ``none`` for
 optional fields, and Python literals for tuples (``model.attention_overrides='((1, "flash"),)'``,
 where a spec may be a kind name or a dict of AttentionSpec fields).
+
+Values are checked as they are set (each config class's ``__post_init__``: positive sizes, finite
+learning rates, known names) and the whole config once more at the end (``validate``: attention
+kinds, policies, deltas and impls, and the checks that involve two fields), so a config that cannot
+train is refused before a run directory exists. Unknown names come with a "did you mean".
+
+``resume_config`` decides what a resumed run may change: ``RESUME_SAFE`` keys only.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import json
+import math
 import types
 import typing
 from typing import Any
 
-from models.gpt2 import AttentionSpec, GPTConfig
+from models.gpt2 import AttentionSpec, GPTConfig, check_attention_spec, choice_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +45,52 @@ class OptimConfig:
     muon_lr: float | None = None  # Muon's lr for hidden matrices; None: 0.02 * lr / 1e-3
     muon_beta: float = 0.95
 
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise choice_error("name", self.name, OPTIMIZERS)
+        _positive_float("lr", self.lr)
+        _nonneg_float("min_lr", self.min_lr)
+        _nonneg_int("warmup_steps", self.warmup_steps)
+        if self.decay_steps is not None:
+            _positive_int("decay_steps", self.decay_steps)
+        for name in ("b1", "b2", "muon_beta"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 <= v < 1):
+                raise ValueError(f"{name} must be in [0, 1), got {v!r}")
+        _positive_float("eps", self.eps)
+        _nonneg_float("weight_decay", self.weight_decay)
+        if self.clip is not None:
+            _nonneg_float("clip", self.clip)  # 0 disables, like none
+        if self.muon_lr is not None:
+            _positive_float("muon_lr", self.muon_lr)
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_int(name, v):
+    if not (_is_int(v) and v > 0):
+        raise ValueError(f"{name} must be an integer > 0, got {v!r}")
+
+
+def _nonneg_int(name, v):
+    if not (_is_int(v) and v >= 0):
+        raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+
+
+def _positive_float(name, v):
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+
+def _nonneg_float(name, v):
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -50,6 +105,18 @@ class DataConfig:
     replay: str | None = None  # a recorded order to replay (train.data.ReplaySampler)
     record: bool = False  # record the data order to <run_dir>/order.* (train.data)
     eval_batches: int = 4  # micro-batches of val windows per eval (fixed, seed 1234)
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("path must name a token directory or .npz")
+        _positive_int("batch_size", self.batch_size)
+        if self.seq_len is not None:
+            _positive_int("seq_len", self.seq_len)
+        _positive_int("grad_accum", self.grad_accum)
+        if self.tokens_per_step is not None:
+            _positive_int("tokens_per_step", self.tokens_per_step)
+        _nonneg_int("seed", self.seed)
+        _nonneg_int("eval_batches", self.eval_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +133,43 @@ class TrainConfig:
     replicate: int = 0
     eval_every: int = 250  # 0 disables; an eval also runs at the last step
     checkpoint_every: int = 0  # 0 disables; a checkpoint is also written at the end when enabled
-    keep_checkpoints: int = 2
-    resume: bool = False  # restore the latest checkpoint in <run_dir>/checkpoints
+    keep_checkpoints: int = 2  # rotation never deletes the newest complete checkpoint
+    # "false": a new run (refused if run_dir holds checkpoints); "true": continue from the newest
+    # intact checkpoint (refused if there is none); "auto": continue if there is one, else start fresh
+    resume: str = "false"
+    resume_step: int | None = None  # with resume=true: this checkpoint exactly, or stop
     probe_every: int = 0  # call the probes every N steps (0: never)
-    divergence_factor: float = 3.0  # stop if loss > factor * running min after warmup; 0 disables
+    # stop when loss > factor * the running min of all earlier losses (from the second step on,
+    # warmup included) or loss / gradient norm / saved state is non-finite; 0 disables the ratio
+    divergence_factor: float = 3.0
     progress: bool = True  # tqdm bar
+
+    def __post_init__(self):
+        resume = self.resume
+        if isinstance(resume, bool):
+            resume = "true" if resume else "false"
+        low = str(resume).strip().lower()
+        low = "true" if low in _TRUE else "false" if low in _FALSE else low
+        if low not in RESUME_MODES:
+            raise choice_error("resume", resume, RESUME_MODES)
+        object.__setattr__(self, "resume", low)
+        if self.resume_step is not None:
+            _positive_int("resume_step", self.resume_step)
+        if not self.run_dir:
+            raise ValueError("run_dir must not be empty")
+        if not (_is_int(self.max_steps) and self.max_steps >= 1):
+            raise ValueError(f"max_steps must be an integer >= 1, got {self.max_steps!r}: "
+                             f"a run of zero steps would train nothing")
+        for name in ("seed", "replicate", "eval_every", "checkpoint_every", "probe_every"):
+            _nonneg_int(name, getattr(self, name))
+        _positive_int("keep_checkpoints", self.keep_checkpoints)
+        f = self.divergence_factor
+        if not (isinstance(f, (int, float)) and math.isfinite(f) and (f == 0 or f > 1)):
+            raise ValueError(f"divergence_factor must be 0 (ratio rule off) or a finite number > 1, "
+                             f"got {f!r}")
+
+
+RESUME_MODES = ("false", "true", "auto")
 
 
 def _tiny_cpu() -> TrainConfig:
@@ -175,8 +274,10 @@ def _set_path(obj: Any, path: list[str], raw: str, full_key: str) -> Any:
     names = [f.name for f in dataclasses.fields(obj)]
     name = path[0]
     if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"unknown config key {full_key!r}: {type(obj).__name__} has fields {names}"
+            f"unknown config key {full_key!r}{hint} ({type(obj).__name__} has fields {names})"
         )
     current = getattr(obj, name)
     if len(path) == 1:
@@ -203,7 +304,82 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) ->
         if head in ALIASES:
             key = ALIASES[head] + key[len(head) :]
         cfg = _set_path(cfg, key.split("."), raw, key)
+    validate(cfg)
     return cfg
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """The checks a single field cannot make: attention specs (kinds, policies, deltas, impls) and
+    relations between fields. Raises ValueError naming the key; returns cfg."""
+    m = cfg.model
+    try:
+        check_attention_spec(m.attention)
+    except ValueError as e:
+        raise ValueError(f"bad value for attention.{e}") from None
+    for i, ov in enumerate(m.attention_overrides):
+        try:
+            check_attention_spec(ov[-1])
+        except ValueError as e:
+            raise ValueError(f"bad value in model.attention_overrides[{i}]: {e}") from None
+    seq = cfg.data.seq_len
+    if seq is not None and seq > m.block_size:
+        raise ValueError(f"data.seq_len={seq} exceeds model.block_size={m.block_size}")
+    if cfg.resume_step is not None and cfg.resume != "true":
+        raise ValueError(f"resume_step={cfg.resume_step} needs resume=true (resume={cfg.resume})")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- resume policy
+
+# Keys a resumed run may change: when and what it logs, evaluates, probes and saves, and how long it
+# runs. Everything else shapes the training trajectory (model, data, optimizer, seeds) and stays as
+# the checkpoint's config recorded it.
+RESUME_SAFE = frozenset({
+    "run_dir", "max_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
+    "resume_step", "probe_every", "divergence_factor", "progress", "data.eval_batches",
+})
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{dotted key: value}, model.attention.* written as the CLI's attention.* alias."""
+    out = {}
+    for k, v in d.items():
+        key = prefix + k
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key.replace("model.attention.", "attention.", 1)] = v
+    return out
+
+
+def resume_config(stored: TrainConfig, requested: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """The config a resumed run continues with, and notes to print.
+
+    ``requested`` may differ from the checkpoint's ``stored`` config only in RESUME_SAFE keys;
+    otherwise ValueError names every other key that differs, in one line. The cosine's end is part
+    of the trajectory: where ``optim.decay_steps`` is none (the end is max_steps) and max_steps
+    changes, decay_steps is pinned to the end the checkpoint was trained towards, so the coming
+    steps keep that schedule instead of jumping onto a re-stretched cosine.
+    """
+    a, b = _flat(to_dict(stored)), _flat(to_dict(requested))
+    bad = [k for k in sorted(a.keys() | b.keys())
+           if a.get(k) != b.get(k) and k not in RESUME_SAFE and k != "optim.decay_steps"]
+    stored_end = stored.optim.decay_steps or stored.max_steps
+    asked_end = requested.optim.decay_steps
+    if asked_end is not None and asked_end != stored_end:
+        bad.append("optim.decay_steps")
+        a["optim.decay_steps"] = stored_end
+    if bad:
+        diffs = ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in bad)
+        raise ValueError(f"resume cannot change {diffs}: the checkpoint was trained with the "
+                         f"former; resume without them, or start a new run_dir")
+    notes = []
+    if asked_end is None and requested.max_steps != stored_end:
+        requested = dataclasses.replace(
+            requested, optim=dataclasses.replace(requested.optim, decay_steps=stored_end))
+        notes.append(f"max_steps={requested.max_steps}: optim.decay_steps pinned to {stored_end}, "
+                     f"where the checkpoint's cosine schedule ends")
+    return requested, notes
 
 
 # ----------------------------------------------------------------------------- JSON

@@ -8,20 +8,32 @@ local device: a 1-D mesh "data", the batch sharded on its batch dimension, the s
 
 Files in ``run_dir``: ``config.json``; ``metrics.jsonl`` (one record per step: step, loss, grad_norm,
 lr, tokens_per_s, step_time_s, mfu, and val_loss / probe outputs on the steps that have them);
-``summary.json`` (always written at the end; ``diverged_at`` / ``reason`` when the run was stopped);
-``checkpoints/`` (Orbax). Step numbers are 1-based: record ``step=s`` is the s-th optimizer update,
-its ``loss`` the training loss of that update's batch (before the update), its ``lr`` the lr used.
+``summary.json`` (always written at the end; ``diverged_at`` / ``reason`` / ``last_good_checkpoint``
+when the run was stopped); ``checkpoints/`` (train/checkpoint.py: Orbax, sealed by checksums). Step
+numbers are 1-based: record ``step=s`` is the s-th optimizer update, its ``loss`` the training loss
+of that update's batch (before the update), its ``lr`` the lr used.
 
 Metrics are fetched one step late (nanodo style) so the host never waits on the device between
 steps, except on steps that evaluate, probe or checkpoint.
 
-Divergence: the run stops when a step's loss is non-finite, or, after warmup, when it exceeds
-``divergence_factor`` (default 3) times the running minimum of all earlier losses.
+Divergence (``divergence_reason``): the run stops at the first step whose loss or gradient norm is
+non-finite, or whose loss exceeds ``divergence_factor`` (default 3) times the minimum of all earlier
+losses — from the second step on, warmup included. Before every checkpoint the whole state is
+checked too: a non-finite parameter or optimizer moment stops the run instead of being saved. A
+stopped run saves nothing from the bad step on; its newest checkpoint is the last good one.
+
+Resume (``resume=true|auto``, ``resume_step``): the newest intact checkpoint (or the one asked for),
+with the checkpoint's own config; only ``config.RESUME_SAFE`` keys may differ. ``config.json`` is
+rewritten only once the restore succeeded.
+
+Exit status of ``python -m train.gpt2``: 0 done, 2 refused before training (bad value, conflicting
+or impossible resume, damaged checkpoint asked for), 3 diverged.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -40,9 +52,17 @@ from jax.sharding import PartitionSpec as P
 
 from models.gpt2 import GPT, GPTConfig, count_params, cross_entropy
 from train import config as config_lib
+from train.checkpoint import CheckpointError, CheckpointStore, code_version
 from train.config import TrainConfig
 
 Probe = Callable[[int, GPT, tuple], dict]
+
+EXIT_REFUSED = 2  # also argparse's status for a bad argument
+EXIT_DIVERGED = 3
+
+
+class RunError(RuntimeError):
+    """The run was refused before training: nothing in its directory was changed."""
 
 # Peak dense bf16 FLOP/s per device, by a substring of jax's device_kind.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -246,39 +266,63 @@ def _load_tokens(path):
     return load_tokens(path)
 
 
-def _checkpoint_manager(run_dir: Path, keep: int):
-    import orbax.checkpoint as ocp
+def divergence_reason(loss: float, grad_norm: float, running_min: float, factor: float) -> str | None:
+    """Why a step with this loss and gradient norm ends the run (None: it does not).
 
-    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False)
-    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=opts)
-
-
-def save_checkpoint(mngr, step: int, state: dict, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    mngr.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(_jsonable(meta))
-        ),
-        force=True,
-    )
-    mngr.wait_until_finished()
+    Non-finite loss or gradient norm, or loss > factor x ``running_min`` (the minimum of all earlier
+    losses; inf before the first) when factor > 0. No warmup exemption: a healthy run's loss stays
+    far below 3x its running minimum from the first step on (a cross-entropy starts near ln(vocab)
+    and falls), so the rule can act on the steps where a too-large learning rate first shows."""
+    if not math.isfinite(loss):
+        return f"non-finite loss {loss}"
+    if not math.isfinite(grad_norm):
+        return f"non-finite gradient norm {grad_norm} (loss {loss:.4f})"
+    if factor and math.isfinite(running_min) and loss > factor * running_min:
+        return f"loss {loss:.4f} > {factor:g} x running min {running_min:.4f} of the earlier steps"
+    return None
 
 
-def restore_checkpoint(mngr, step: int, like_state: dict, sharding) -> tuple[dict, dict]:
-    import orbax.checkpoint as ocp
+def nonfinite_counts(state: dict) -> dict:
+    """Number of non-finite values in the params and the optimizer state (jit it)."""
 
-    abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), like_state
-    )
-    out = mngr.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-        ),
-    )
-    return out["state"], out["meta"]
+    def count(tree):
+        leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves), jnp.int32(0))
+
+    return {"params": count(state["params"]), "opt_state": count(state["opt_state"])}
+
+
+def _describe_nonfinite(counts: dict) -> str:
+    names = {"params": "parameters", "opt_state": "optimizer state"}
+    return ", ".join(f"{n} non-finite values in the {names[k]}" for k, n in counts.items() if n)
+
+
+def _plan_resume(cfg: TrainConfig, store: CheckpointStore):
+    """(start step, damaged [(step, problem)], effective cfg, notes) or None for a fresh run.
+    Raises RunError / CheckpointError; reads the checkpoints, changes nothing."""
+    steps = store.steps()
+    if cfg.resume == "false":
+        if steps:
+            raise RunError(
+                f"{store.dir} already holds checkpoints (steps {', '.join(map(str, steps))}): "
+                f"resume=true continues that run; to start over, choose another run_dir or "
+                f"delete {cfg.run_dir}")
+        return None
+    if not steps:
+        if cfg.resume == "auto":
+            print(f"resume=auto: no checkpoint in {store.dir}; starting a new run")
+            return None
+        raise RunError(f"resume=true, but {store.dir} holds no checkpoint to resume; "
+                       f"resume=auto starts a new run when there is none")
+    start, damaged = store.select(cfg.resume_step)
+    stored = config_lib.from_dict(store.manifest(start)["config"])
+    try:
+        eff, notes = config_lib.resume_config(stored, cfg)
+    except ValueError as e:
+        raise RunError(f"checkpoint {start}: {e}") from None
+    if start > eff.max_steps:
+        raise RunError(f"checkpoint {start} is past max_steps={eff.max_steps}; raise max_steps")
+    return start, damaged, eff, notes
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -302,24 +346,48 @@ def train(
       model after that step's update and the step's first micro-batch; their outputs are merged into
       the step's metrics record. The model's arrays are donated by the next step: copy what you keep.
     stop_after: stop (as if interrupted) after this many steps, without evaluating at the end.
-    """
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(config_lib.to_json(cfg))
 
+    Raises ValueError (bad config), RunError (a resume that is impossible or would change the
+    trajectory, or a new run over existing checkpoints) or CheckpointError (the checkpoint asked for
+    is damaged, or none is intact) before anything in run_dir is written.
+    """
+    config_lib.validate(cfg)
+    run_dir = Path(cfg.run_dir)
     devices = jax.devices()
     n_dev = len(devices)
+    try:
+        accum = grad_accum_steps(cfg, n_dev)
+    except ValueError as e:  # tokens_per_step that this many devices cannot split
+        raise RunError(str(e)) from None
+
+    store = CheckpointStore(run_dir, cfg.keep_checkpoints)
+    plan = _plan_resume(cfg, store)
+    start, damaged = 0, []
+    if plan is not None:
+        start, damaged, cfg, notes = plan
+        for note in notes:
+            print(note)
+        if start == cfg.max_steps:
+            print(f"checkpoint {start} is already at max_steps={cfg.max_steps}: nothing to train "
+                  f"(raise max_steps to continue)")
+            done = run_dir / "summary.json"
+            return json.loads(done.read_text()) if done.exists() else {
+                "steps": start, "diverged_at": None, "reason": None, "resumed_from": start}
+    if tokens is None:
+        tokens = _load_tokens(cfg.data.path)  # a missing corpus, too, stops before run_dir is made
+    if plan is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(config_lib.to_json(cfg))
+    code = code_version() if cfg.checkpoint_every else None
+
     mesh = Mesh(np.array(devices), ("data",))
     replicated = NamedSharding(mesh, P())
     data_sharding = NamedSharding(mesh, P(None, "data"))
 
     seq_len = cfg.data.seq_len or cfg.model.block_size
-    accum = grad_accum_steps(cfg, n_dev)
     micro = cfg.data.batch_size * n_dev
     tokens_per_step = micro * accum * seq_len
 
-    if tokens is None:
-        tokens = _load_tokens(cfg.data.path)
     sampler_fn = sampler_fn or _default_sampler
     if cfg.data.replay:
         from train.data import ReplaySampler
@@ -357,20 +425,30 @@ def train(
         shape = (cfg.data.eval_batches, micro, seq_len)
         eval_data = jax.device_put((ex.reshape(shape), ey.reshape(shape)), data_sharding)
 
-    # ---- resume
-    start = 0
+    count_nonfinite = jax.jit(nonfinite_counts)
+
+    # ---- resume: restore, check, and only then touch the run directory
     running_min = math.inf
-    mngr = (
-        _checkpoint_manager(run_dir, cfg.keep_checkpoints)
-        if (cfg.checkpoint_every or cfg.resume)
-        else None
-    )
-    if cfg.resume and mngr is not None and mngr.latest_step() is not None:
-        start = int(mngr.latest_step())
-        state, meta = restore_checkpoint(mngr, start, state, replicated)
+    if plan is not None:
+        state, meta = store.restore(start, state, replicated)
+        bad = {k: int(v) for k, v in jax.device_get(count_nonfinite(state)).items()}
+        if any(bad.values()):
+            raise CheckpointError(f"checkpoint {start} in {store.dir} matches its checksums but "
+                                  f"holds {_describe_nonfinite(bad)}; it cannot be resumed")
         sampler.load_state_dict(meta["sampler"])
         running_min = float(meta["running_min"])
-        print(f"resumed from step {start} ({run_dir / 'checkpoints'})")
+        later = [s for s in store.steps() if s > start]
+        aside = store.set_aside(later)
+        if damaged:
+            what = "; ".join(f"{s}: {p}" for s, p in damaged)
+            print(f"damaged checkpoint{'s' * (len(damaged) > 1)} ({what}) moved to {aside}; "
+                  f"resumed from step {start}, the newest intact one")
+        elif later:
+            print(f"resumed from step {start} as asked (resume_step); the later checkpoints "
+                  f"{', '.join(map(str, later))} moved to {aside}")
+        else:
+            print(f"resumed from step {start} ({store.dir})")
+        (run_dir / "config.json").write_text(config_lib.to_json(cfg))
     metrics_path = run_dir / "metrics.jsonl"
     if start and metrics_path.exists():  # drop records past the checkpoint
         kept = [
@@ -382,7 +460,6 @@ def train(
 
     peak = device_peak_flops(devices[0])
     fpt = flops_per_token(cfg.model, seq_len)
-    warmup = cfg.optim.warmup_steps
     last_step = cfg.max_steps if stop_after is None else min(cfg.max_steps, start + stop_after)
 
     from tqdm.auto import tqdm
@@ -410,18 +487,9 @@ def train(
         if extra:
             rec.update(extra)
         loss = m["loss"]
-        if not math.isfinite(loss):
-            status.update(diverged_at=step, reason=f"non-finite loss {loss}")
-        elif (
-            cfg.divergence_factor
-            and step > warmup
-            and math.isfinite(running_min)
-            and loss > cfg.divergence_factor * running_min
-        ):
-            status.update(
-                diverged_at=step,
-                reason=f"loss {loss:.4f} > {cfg.divergence_factor} x running min {running_min:.4f}",
-            )
+        reason = divergence_reason(loss, m["grad_norm"], running_min, cfg.divergence_factor)
+        if reason is not None:
+            status.update(diverged_at=step, reason=reason)
         running_min = min(running_min, loss) if math.isfinite(loss) else running_min
         status["last"] = loss
         with metrics_path.open("a") as f:
@@ -447,10 +515,8 @@ def train(
             step % cfg.eval_every == 0 or (step == cfg.max_steps and stop_after is None)
         )
         do_probe = bool(probes) and cfg.probe_every and step % cfg.probe_every == 0
-        do_ckpt = (
-            mngr is not None
-            and cfg.checkpoint_every
-            and (step % cfg.checkpoint_every == 0 or step == last_step)
+        do_ckpt = bool(cfg.checkpoint_every) and (
+            step % cfg.checkpoint_every == 0 or step == last_step
         )
         if not (do_eval or do_probe or do_ckpt or step == last_step):
             pending = (step, m)
@@ -469,19 +535,26 @@ def train(
         if status["diverged_at"] is not None:
             break
         if do_ckpt:
-            save_checkpoint(
-                mngr,
+            bad = {k: int(v) for k, v in jax.device_get(count_nonfinite(state)).items()}
+            if any(bad.values()):  # finite loss and gradient norm, yet not a state to keep
+                status.update(diverged_at=step, reason=_describe_nonfinite(bad))
+                break
+            store.save(
                 step,
                 state,
-                {"step": step, "sampler": sampler.state_dict(), "running_min": running_min},
+                _jsonable({"step": step, "sampler": sampler.state_dict(), "running_min": running_min}),
+                config=config_lib.to_dict(cfg),
+                code=code,
             )
         times["ref"] = time.perf_counter()  # eval/probe/checkpoint time is not step time
     if pending is not None:
         record(*pending)
     bar.close()
 
+    last_good = (store.steps() or [None])[-1]
     if status["diverged_at"] is not None:
-        print(f"stopping: diverged at step {status['diverged_at']}: {status['reason']}")
+        print(f"stopping: diverged at step {status['diverged_at']}: {status['reason']}; nothing "
+              f"saved from it on; last good checkpoint: {last_good}")
     steps_t = times["steps"]
     summary = {
         "steps": status["diverged_at"] or step,
@@ -489,6 +562,7 @@ def train(
         "final_val_loss": status["last_val"],
         "diverged_at": status["diverged_at"],
         "reason": status["reason"],
+        "last_good_checkpoint": last_good if status["diverged_at"] is not None else None,
         "time_s": time.perf_counter() - times["t0"],
         "tokens_per_s": (tokens_per_step * len(steps_t) / sum(steps_t)) if steps_t else None,
         "tokens_per_step": tokens_per_step,
@@ -498,8 +572,7 @@ def train(
         "resumed_from": start or None,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if mngr is not None:
-        mngr.close()
+    store.close()
     return summary
 
 
@@ -524,21 +597,35 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """The config of a command line. With resume=true/auto and no explicit --preset, the overrides
+    apply to the run's stored ``<run_dir>/config.json`` (when there is one) instead of a preset, so
+    ``run_dir=R resume=true max_steps=N`` continues run R as it was configured."""
     ap = argparse.ArgumentParser(
         prog="python -m train.gpt2",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="overrides: dotted key=value, e.g. model.n_layer=2 "
-        "attention.kind=flash attention.stable=true optim.lr=3e-4",
+        "attention.kind=flash attention.stable=true optim.lr=3e-4; "
+        "resume=true|auto continues <run_dir> (docs/TRAINING.md); "
+        "exit status 0 done, 2 refused, 3 diverged",
     )
-    ap.add_argument("--preset", default="tiny-cpu", choices=sorted(config_lib.PRESETS))
+    ap.add_argument("--preset", default=None, choices=sorted(config_lib.PRESETS),
+                    help="default tiny-cpu; with resume and no --preset: the run's own config.json")
     ap.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
     try:
-        cfg = config_lib.apply_overrides(config_lib.get_preset(args.preset), args.overrides)
+        cfg = config_lib.apply_overrides(
+            config_lib.get_preset(args.preset or "tiny-cpu"), args.overrides
+        )
+        stored = Path(cfg.run_dir) / "config.json"
+        if cfg.resume != "false" and args.preset is None and stored.exists():
+            base = config_lib.from_dict(json.loads(stored.read_text()))
+            # how the run was last started is not part of it: resume_step must not stick
+            base = dataclasses.replace(base, resume="false", resume_step=None)
+            cfg = config_lib.apply_overrides(base, args.overrides)
     except ValueError as e:
         ap.error(str(e))
     if args.print_config:
@@ -547,12 +634,27 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     return cfg
 
 
+def run_cli(cfg: TrainConfig, probes: Sequence[Probe] = ()) -> dict:
+    """train() for a command line: a refusal is one line on stderr and exit status 2, a divergence
+    exit status 3 (after the summary is printed)."""
+    try:
+        summary = train(cfg, probes=probes)
+    except (RunError, CheckpointError) as e:
+        print(f"refused: {e}", file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
+    print(json.dumps(summary, indent=2))
+    if summary.get("diverged_at") is not None:
+        print(f"diverged at step {summary['diverged_at']}: {summary['reason']} (last good "
+              f"checkpoint: {summary.get('last_good_checkpoint')})", file=sys.stderr)
+        sys.exit(EXIT_DIVERGED)
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
     from train.probes import default_probes  # probe_every > 0 turns the causal-chain probe on
 
-    summary = train(cfg, probes=default_probes(cfg))
-    print(json.dumps(summary, indent=2))
+    run_cli(cfg, probes=default_probes(cfg))
 
 
 if __name__ == "__main__":

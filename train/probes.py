@@ -494,7 +494,6 @@ def main(argv=None) -> None:
     """``python -m train.probes [--preset P] [key=value ...] [--snapshot L,H,STEP1,STEP2]``: train
     with the causal-chain probe (``probe_every`` defaults to 50 if unset)."""
     import argparse
-    import json
     import sys
 
     from train import config as config_lib
@@ -513,7 +512,7 @@ def main(argv=None) -> None:
     if ns.snapshot:
         l, h, *steps = (int(s) for s in ns.snapshot.split(","))
         probes.append(SnapshotProbe(Path(cfg.run_dir) / "snapshots", l, h, steps))
-    print(json.dumps(T.train(cfg, probes=probes), indent=2))
+    T.run_cli(cfg, probes)  # exit status 2 refused, 3 diverged, like train.gpt2
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ mapfile -t EXTRA < <(python3 -m experiments.arms "$ARM") || exit 2
 mkdir -p "$OUT/paper/$ARM" "$RUNS"
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | tee "$OUT/paper/$ARM/gpus.txt"
 timeout "$LIMIT" python3 -m train.gpt2 --preset gpt2-small-paper "${EXTRA[@]}" data.path=data/full.npz \
-  run_dir="$RUNS/$ARM" max_steps="$STEPS" checkpoint_every=250 resume=true probe_every=250 \
+  run_dir="$RUNS/$ARM" max_steps="$STEPS" checkpoint_every=250 resume=auto probe_every=250 \
   progress=false >> "$RUNS/$ARM.log" 2>&1
 echo "exit $?"; tail -5 "$RUNS/$ARM.log"
 cp "$RUNS/$ARM.log" "$OUT/paper/$ARM/run.log"

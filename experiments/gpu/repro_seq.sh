@@ -49,7 +49,7 @@ for spec in "$@"; do
     timeout "$lim" python3 -m experiments.reproduce run --arm "$arm" --preset "${PRESET:-small-gpu}" \
       --seed "$seed" --steps "$steps" \
       --probe-every 250 --data data/full.npz --out "$RUNS" --compare-torch-at "${COMPARE_AT:-}" \
-      --checkpoint-every "${CKPT_EVERY:-1000}" --resume true --snapshot-steps "${SNAP_STEPS:-}" \
+      --checkpoint-every "${CKPT_EVERY:-1000}" --resume auto --snapshot-steps "${SNAP_STEPS:-}" \
       "${EXTRA[@]}" >> "$RUNS/$name.log" 2>&1
   fi
   echo "$name: exit $?"; tail -5 "$RUNS/$name.log"
