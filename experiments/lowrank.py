@@ -1,4 +1,4 @@
-"""Is dW_Q's δ-error low rank and shared across tokens and steps? (PAPER.md §2.3, the paper's Figure 4.)
+"""Is dW_Q's δ-error low rank and shared across tokens and steps? (Qiu & Yao's Figure 4.)
 
 The error the biased δ puts into one head's W_Q gradient is
     dW_Q,hp − dW_Q,lp = α·Σ_T (δ_lp − δ_hp)[T] · X[T]ᵀ·(PK)[T]

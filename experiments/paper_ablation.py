@@ -1,5 +1,5 @@
-"""Which of the authors' BF16 roundings leaves a bias after the stable shift? (issue 5: "paper" +
-stable still runs away in training, docs/REPRODUCTION.md.)
+"""Which of the authors' BF16 roundings leaves a bias after the stable shift? (In training, the one
+"paper" + stable execution ran away: docs/REPRODUCTION.md.)
 
     python -m experiments.paper_ablation [--rows 2048] [--seed 0] [--out DIR]
 

@@ -208,7 +208,7 @@ def probes(args):
             heads = sorted(int(k.rsplit("H", 1)[1]) for k in r if k.startswith(f"wq_norm/{tag}/H"))
             top = max(heads, key=lambda h: r[f"wq_norm/{tag}/H{h}"]) if heads else None
             bf16 = r.get(f"tie_frac_bf16s/{tag}")
-            # (the last two columns: probe metrics added in the sixth session; "—" in earlier runs)
+            # (the last two columns: probe metrics that older runs lack; "—" there)
             g, g_err = r.get(f"wq_grad/{tag}"), r.get(f"wq_grad_err/{tag}")
             rel = g_err / abs(g) if g and g_err is not None else None
             print(f"| {run} | {r['step']} | {r[f'max_logit/{tag}']:.4g} | "
@@ -242,7 +242,7 @@ def probe_stats(recs, tag):
     e_mean, e_t, e_rms = _mean_t_rms(err)
     d_mean, d_t, d_rms = _mean_t_rms(delta)
     g_rms = _mean_t_rms(grad)[2]
-    # the part through δ (−Σ ε·S̄), in runs made after the seventh session
+    # the part through δ (−Σ ε·S̄); older runs lack it
     via = [r[f"wq_grad_err_delta/{tag}"] for r in probes if f"wq_grad_err_delta/{tag}" in r]
     via_rms = _mean_t_rms(via)[2] if len(via) == len(probes) else None
     return {"probes": len(probes), "wq_grad_err mean": e_mean, "t": e_t, "wq_grad_err rms": e_rms,

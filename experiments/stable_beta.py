@@ -1,11 +1,11 @@
-"""Does the stable shift leave a bias that grows with β? (issue 5: in training, the β = 7 arm's
-δ-error probe drifted positive at 14 of 16 probes and the arm ran away late; β = 2 held to 4,000.)
+"""Does the stable shift leave a bias that grows with β? (In training, the one β = 7 execution's
+δ-error probe was positive at 14 of 16 probes and it ran away: docs/REPRODUCTION.md.)
 
     python -m experiments.stable_beta [--rows 2048] [--seed 0] [--out DIR]
 
 "fa2" numerics, 512 keys in eight 64-key tiles, on ``bias_map.bias_rows`` problems: two exactly tied
 maxima in half the rows — in one key tile, or split over two tiles (the shift sees each tile on its
-own, so split ties are not shifted: PAPER.md §7) — remainders at r_m − gap ± 1 (gap 13: many tiny
+own, so split ties are not shifted) — remainders at r_m − gap ± 1 (gap 13: many tiny
 P̄; gap 6: more remainder mass), V ~ N(−1.5, 1), maxima r_m ~ U(2, 4) (where β = 7's guard starts to
 fold: (β − 1)·r_m > 20 nats above 3.3), U(6, 10) and U(20, 30) (a run that has started to run
 away). Baseline and stable at β = 2, 3 and 7. Per cell, against float64: the mean signed O error

@@ -1,6 +1,6 @@
 """The end of the paper's chain at the kernel level: the error the attention backward puts into W_Q's
-gradient along W_Q, split into its δ part and the rest (issue 5; docs/REPRODUCTION.md "What is
-left" 4: under the authors' numerics, is it δ, or the recomputed P?).
+gradient along W_Q, split into its δ part and the rest (under the authors' numerics, is it δ, or
+the recomputed P?).
 
     python -m experiments.wq_chain [--rows 2048] [--seed 0] [--out DIR]
 

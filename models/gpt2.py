@@ -1,9 +1,9 @@
 """GPT-2 in Flax NNX, with the attention function chosen per layer and per head group.
 
-The architecture is the paper's (PAPER.md §5, nanoGPT): pre-LayerNorm (eps 1e-5, no bias), learned
-position embeddings, tied token embedding / LM head, no biases anywhere, exact-GELU MLP 4x, no
-dropout; init N(0, 0.02) for every Linear and Embedding, N(0, 0.02/sqrt(2*n_layer)) for the two
-residual projections (``attn.wo`` and ``mlp.proj``).
+The architecture is nanoGPT's, as Qiu & Yao (arXiv 2510.04212) train it: pre-LayerNorm (eps 1e-5, no
+bias), learned position embeddings, tied token embedding / LM head, no biases anywhere, exact-GELU
+MLP 4x, no dropout; init N(0, 0.02) for every Linear and Embedding, N(0, 0.02/sqrt(2*n_layer)) for
+the two residual projections (``attn.wo`` and ``mlp.proj``).
 
 Mixed precision follows nanoGPT under bf16 autocast: parameters are FP32 ("master" weights); every
 matmul runs in ``GPTConfig.dtype`` (default bfloat16) with bf16 outputs; LayerNorm and GELU compute in

@@ -184,7 +184,8 @@ def _tiny_cpu() -> TrainConfig:
 
 
 def _small_gpu() -> TrainConfig:
-    # MEASURED.md: GPT-2 small, 32 x 1024 per step, lr 1e-3, 500 warmup, cosine over 600k steps.
+    # docs/REPRODUCTION.md's setting: GPT-2 small, 32 x 1024 per step, lr 1e-3, 500 warmup,
+    # cosine over 600k steps.
     return TrainConfig(
         model=GPTConfig(),
         optim=OptimConfig(lr=1e-3, warmup_steps=500, decay_steps=600_000, min_lr=1e-5),
@@ -197,8 +198,9 @@ def _small_gpu() -> TrainConfig:
 
 
 def _gpt2_small_paper() -> TrainConfig:
-    # PAPER.md §5: 524,288 tokens/step (32 x 1024 x 4 accumulation x 4 GPUs), warmup 2000 to 1e-3,
-    # cosine to 1e-5. Accumulation = 524288 / (32 * 1024 * n_devices), 16 on one device.
+    # Qiu & Yao's setting: 524,288 tokens/step (32 x 1024 x 4 accumulation x 4 GPUs), warmup
+    # 2000 to 1e-3, cosine to 1e-5. Accumulation = 524288 / (32 * 1024 * n_devices), 16 on one
+    # device.
     return TrainConfig(
         model=GPTConfig(),
         optim=OptimConfig(lr=1e-3, warmup_steps=2000, min_lr=1e-5),

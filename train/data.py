@@ -323,9 +323,9 @@ SOURCES: dict[str, Source] = {
 
 BIBLES = ["bible-kjv", "bible-bbe", "bible-ylt", "bible-web"]
 ENGLISH = BIBLES + ["brown", "python-doc", "linux-doc"]
-# The reference PyTorch runs (MEASURED.md: 17.5 M tokens of Brown, Linux and Python docs rst, four
-# Bibles) evidently kept the kernel docs' translations/ folder: with it we get 17.4 M tokens,
-# without it 15.8 M. "full" follows the reference; "english" drops the translations.
+# "full" matches the ~17.5 M tokens of a PyTorch reference run's corpus (Brown, Linux and Python
+# docs, four Bibles; not in this repository) only with the kernel docs' translations/ folder:
+# 17.4 M with it, 15.8 M without. "english" drops the translations.
 PRESETS: dict[str, dict] = {
     "small": {"sources": ["bible-kjv"], "max_mb": None},
     "full": {"sources": ENGLISH + ["linux-doc-translations"], "max_mb": None},

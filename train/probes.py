@@ -1,5 +1,5 @@
 """Training probes for the paper's causal chain: ties → biased Ō → biased δ → low-rank accumulation
-into dW_Q → growing ‖W_Q‖₂ → blow-up (PAPER.md §2).
+into dW_Q → growing ‖W_Q‖₂ → blow-up (Qiu & Yao, arXiv 2510.04212).
 
     from train import gpt2, probes
     gpt2.train(cfg, probes=[probes.CausalChainProbe()])        # with cfg.probe_every > 0
@@ -46,7 +46,7 @@ is ``L1/H7``):
 ``wq_grad_err_delta/L{l}[/H{h}]`` the part of wq_grad_err that comes through δ: −Σ_i (δ_lp − δ_hp)_i·S̄_i,
                                   S̄_i = Σ_j P_ij·S_ij (FP32 softmax); the rest is the recomputed P,
                                   dS's and dQ's own roundings (docs/MECHANISM.md §7)
-``delta_err_cum/L{l}[/H{h}]``     running sum of delta_err over this probe's calls (PAPER Fig. 5a,
+``delta_err_cum/L{l}[/H{h}]``     running sum of delta_err over this probe's calls (paper Fig. 5a,
                                   sampled every probe_every steps; restarts at 0 on resume)
 ``probe_loss``, ``probe_time_s``  loss on the probe sequences; wall time of the probe call
 ================================  ===============================================================

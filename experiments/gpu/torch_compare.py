@@ -2,8 +2,9 @@
 
 Two comparisons, both on the GPU (PyTorch CUDA and JAX in one process):
 
-* ``tied`` — the adversarial tied-row instances of ``jax_flash.diagnostics.tied_rows`` (the kernel-level
-  bias of PAPER.md §7): mean signed error of O against the float64 reference for exact-then-rounded,
+* ``tied`` — the adversarial tied-row instances of ``jax_flash.diagnostics.tied_rows`` (rows
+  dominated by two identical keys, whose exact O is a BF16 halfway case that the small remainders
+  tip one way): mean signed error of O against the float64 reference for exact-then-rounded,
   PyTorch flash, and jax-flash "fa2" baseline / stable.
 * ``TorchFlashCompare`` — a training probe: at chosen steps it takes the real q, k, v and the loss
   cotangent dO of the model's attention layers on a fixed batch, runs both kernels forward and

@@ -1,17 +1,18 @@
-"""The reproduction's PyTorch twin: MEASURED.md's training recipe in PyTorch, fed the JAX run's own
+"""The reproduction's PyTorch twin: nanoGPT's training recipe in PyTorch, fed the JAX run's own
 init, data order and probe batch.
 
     python -m experiments.gpu.torch_train --arm torch-flash --seed 1 --steps 4000 --out /tmp/runs
     python -m experiments.gpu.torch_train --arm torch-standard --seed 1 --steps 4000 --out /tmp/runs
 
-Why: the JAX "fa2" arm runs away later and weaker than MEASURED.md's PyTorch FA2 run, and that run
-differs from ours in more than the framework (its corpus build, document order, init draws and probe
-windows are its own). Training PyTorch on *our* init (``--init jax``: the JAX model of the same
-seed, copied tensor by tensor), *our* batches (``train.data.BatchSampler`` with the same seed) and
-*our* probe windows leaves the framework and the kernels as the only differences from
-``experiments.reproduce run --arm fa2|standard --seed S``.
+Why: a PyTorch reference run of nanoGPT's model in the same setting (not in this repository) differs
+from the JAX runs in more than the framework (its corpus build, document order, init draws and probe
+windows are its own), so it cannot tell whether the framework or the kernels make a difference.
+Training PyTorch on *our* init (``--init jax``: the JAX model of the same seed, copied tensor by
+tensor), *our* batches (``train.data.BatchSampler`` with the same seed) and *our* probe windows
+leaves the framework and the kernels as the only differences from ``experiments.reproduce run --arm
+fa2|standard --seed S``.
 
-Recipe (nanoGPT, as MEASURED.md): ``experiments.torch_parity.TorchGPT`` (its CPU parity with
+Recipe (nanoGPT's): ``experiments.torch_parity.TorchGPT`` (its CPU parity with
 models/gpt2.py is checked in docs/results/torch-parity-cpu.json), FP32 master weights, bf16
 autocast, ``torch.compile`` on CUDA, fused AdamW (0.9, 0.95), eps 1e-8, wd 0, grad-norm clip 1,
 nanoGPT's lr schedule with the small-gpu preset's values (1e-3, 500 warmup, cosine over 600 k
