@@ -18,6 +18,11 @@ Without a GPU: ``--from-json F.json`` prints a saved run again, with the medians
 the second half of the calls apart (the GPU's clocks fall as it warms: later calls are slower);
 ``--smi F.csv[.gz]`` summarises an ``nvidia-smi --query-gpu=...,clocks.sm,...,power.draw,...,
 clocks_throttle_reasons.active --format=csv`` log over its busy samples (power above ``--busy-watts``).
+
+A training step's kernel time by op family (matmuls, attention, layer norms, GELU / elementwise,
+logits + cross-entropy, optimizer, copies, other; ``families``, rules in ``classify``), from the trace
+and the step's optimized HLO that ``python -m bench.train_step --profile DIR`` writes:
+``python -m lab.trace_split --families DIR/trace.json.gz --hlo DIR/hlo.txt.gz --steps 3``.
 """
 
 from __future__ import annotations
@@ -27,17 +32,27 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import tempfile
 
 
-def load_trace(log_dir: str) -> list[dict]:
-    """The events of the newest perfetto trace under ``log_dir`` (written by jax.profiler.trace)."""
+def trace_file(log_dir: str) -> str:
+    """The newest perfetto trace under ``log_dir`` (written by jax.profiler.trace), or ``log_dir``
+    itself when it is a file."""
+    if os.path.isfile(log_dir):
+        return log_dir
     files = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True),
                    key=os.path.getmtime)
     if not files:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir}")
-    t = json.load(gzip.open(files[-1]))
+    return files[-1]
+
+
+def load_trace(log_dir: str) -> list[dict]:
+    """The events of the newest perfetto trace under ``log_dir`` (or of the trace file ``log_dir``)."""
+    path = trace_file(log_dir)
+    t = json.load(gzip.open(path) if path.endswith(".gz") else open(path))
     return t["traceEvents"] if isinstance(t, dict) else t
 
 
@@ -128,6 +143,381 @@ def smi_summary(path: str, busy_watts: float = 300.0) -> dict:
             "power_w_max": max(watts), "power_cap_fraction": capped / len(busy)}
 
 
+# ----------------------------------------------------------------------------- op families of a step
+# A training step's kernel time grouped by what the kernels compute. Each kernel is matched to the
+# HLO instruction that launched it (the trace's ``hlo_op`` argument, else its name, which XLA derives
+# from the instruction's) in the step's optimized HLO (``compiled.as_text()``), whose instructions
+# carry the Python call stack they were traced from. A fusion is judged by its own metadata (XLA
+# copies its root op's), so neighbours fused into it count with its root.
+
+FAMILIES = {  # key -> label, in table order
+    "matmul": "matmuls",
+    "attention": "attention",
+    "layernorm": "layer norms",
+    "elementwise": "GELU / elementwise",
+    "logits_ce": "logits + cross-entropy",
+    "optimizer": "optimizer",
+    "copy": "copies / casts / transposes",
+    "other": "other",
+}
+
+# Kernel names that say what they are without the HLO: our kernels (jax_flash_*), cuDNN's attention
+# (…sdpa…flash_fprop/bprop…, fmha), cuBLAS / CUTLASS GEMMs (nvjet_*, *xmma_gemm*, cutlass*), CUDA copies.
+_ATTENTION_NAME = re.compile(r"jax_flash|fmha|sdpa|flash_[fb]prop")
+_GEMM_NAME = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul")
+_COPY_NAME = re.compile(r"memcpy|memset|^(wrapped_)?(copy|transpose)")
+_GEMM_TARGET = re.compile(r"cublas|gemm|matmul")
+# Ops that only move, lay out or cast data: a fusion of nothing else is a copy (the bf16 copies of the
+# FP32 weights that mixed precision makes each step are such fusions).
+_MOVE_OPS = {"parameter", "constant", "copy", "transpose", "bitcast", "reshape", "broadcast", "slice",
+             "concatenate", "dynamic-slice", "dynamic-update-slice", "pad", "tuple", "get-tuple-element",
+             "iota", "reverse", "copy-start", "copy-done", "bitcast-convert", "convert"}
+# Ops that make a non-matmul kernel more than elementwise arithmetic.
+_NOT_ELEMENTWISE = {"reduce", "reduce-window", "sort", "scatter", "gather", "rng", "rng-bit-generator",
+                    "while", "conditional", "call", "custom-call", "all-reduce", "select-and-scatter"}
+
+
+def _matching(text: str, start: int) -> int:
+    """Index of the bracket closing the one at ``text[start]`` (``(``, ``{`` or ``[``)."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    stack = []
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in pairs:
+            stack.append(pairs[c])
+        elif stack and c == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i
+    return len(text) - 1
+
+
+_DIMS = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
+_ATTR_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%[\w.\-]+)")
+
+
+def _dims(shape: str) -> set[int]:
+    return {int(d) for m in _DIMS.finditer(shape) for d in m.group(1).split(",") if d}
+
+
+class HloIndex:
+    """The instructions of an optimized HLO module's text: per name its opcode, shape, operands,
+    called computations, custom-call target, fusion kind and call stack (``FileNames`` …
+    ``StackFrames`` sections and ``stack_frame_id``; older modules' ``source_file`` metadata)."""
+
+    _SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+    def __init__(self, text: str):
+        self.module = None
+        self.instrs: dict[str, dict] = {}
+        self.comps: dict[str, list[str]] = {}
+        sections = {k: {} for k in self._SECTIONS}
+        section, comp = None, None
+        for line in text.splitlines():
+            if line.startswith("HloModule "):
+                self.module = line.split()[1].rstrip(",")
+                continue
+            if line.strip() in self._SECTIONS:
+                section = line.strip()
+                continue
+            if section:
+                m = re.match(r"^(\d+) (.*)$", line)
+                if m:
+                    sections[section][int(m.group(1))] = m.group(2)
+                    continue
+                section = None
+            head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$", line)
+            if head and not line.startswith(" "):
+                comp = head.group(1)
+                self.comps[comp] = []
+                continue
+            if comp is not None and line.startswith(" "):
+                ins = self._parse_instruction(line)
+                if ins:
+                    ins["computation"] = comp
+                    self.instrs[ins["name"]] = ins
+                    self.comps[comp].append(ins["name"])
+        self._frames = self._stack_frames(sections)
+        self._info: dict[str, dict] = {}
+        self._by_norm: dict[str, list[str]] = {}
+        for name in self.instrs:
+            self._by_norm.setdefault(_norm(name), []).append(name)
+
+    @staticmethod
+    def _parse_instruction(line: str) -> dict | None:
+        m = re.match(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+        if not m:
+            return None
+        name, rest = m.group(1), m.group(2)
+        if rest.startswith("("):
+            end = _matching(rest, 0)
+            shape, after = rest[: end + 1], rest[end + 1 :].lstrip()
+        else:
+            shape, _, after = rest.partition(" ")
+        op = re.match(r"([\w\-$]+)\(", after)
+        if not op:
+            return None
+        open_at = op.end() - 1
+        close_at = _matching(after, open_at)
+        operands = re.findall(r"%([\w.\-]+)", after[open_at:close_at])
+        attrs = after[close_at + 1 :]
+        calls = [c for m2 in _ATTR_CALLS.finditer(attrs) for c in re.findall(r"%([\w.\-]+)", m2.group(1))]
+        target = re.search(r'custom_call_target="([^"]*)"', attrs)
+        kind = re.search(r"\bkind=(k\w+)", attrs)
+        backend_kind = re.search(r'"kind":"([^"]+)"', attrs)
+        frame = re.search(r"\bstack_frame_id=(\d+)", attrs)
+        source = re.search(r'\bsource_file="([^"]*)"', attrs)
+        op_name = re.search(r'\bop_name="((?:[^"\\]|\\.)*)"', attrs)
+        return {"name": name, "opcode": op.group(1), "shape": shape, "operands": operands,
+                "calls": calls, "target": target.group(1) if target else None,
+                "kind": kind.group(1) if kind else None,
+                "backend_kind": backend_kind.group(1) if backend_kind else None,
+                "frame": int(frame.group(1)) if frame else None,
+                "source_file": source.group(1) if source else None,
+                "op_name": op_name.group(1) if op_name else ""}
+
+    @staticmethod
+    def _stack_frames(sections) -> dict[int, tuple[str, str, int | None]]:
+        """frame id -> (file, function, parent id or None)."""
+        unq = lambda s: s.strip().strip('"')
+        files = {k: unq(v) for k, v in sections["FileNames"].items()}
+        funcs = {k: unq(v) for k, v in sections["FunctionNames"].items()}
+        locs = {}
+        for k, v in sections["FileLocations"].items():
+            d = dict(re.findall(r"(\w+)=(\d+)", v))
+            locs[k] = (files.get(int(d.get("file_name_id", 0)), "?"),
+                       funcs.get(int(d.get("function_name_id", 0)), "?"))
+        raw = {}
+        for k, v in sections["StackFrames"].items():
+            d = dict(re.findall(r"(\w+)=(\d+)", v))
+            raw[k] = (int(d.get("file_location_id", 0)), int(d.get("parent_frame_id", 0)))
+        # The printed parent is the parent's listed id + 1 (1 for a root) in the modules seen so far;
+        # the listed id itself (0 for a root) is the other reading. Parents are listed before their
+        # children, and the first frame is a root: only one reading fits a module.
+        offset = next((off for off in (1, 0)
+                       if all(0 <= p - off < k for k, (_, p) in raw.items())), None)
+        frames = {}
+        for k, (loc, p) in raw.items():
+            parent = p - offset if offset is not None and p - offset in raw else None
+            frames[k] = (*locs.get(loc, ("?", "?")), parent)
+        return frames
+
+    def stack(self, frame: int | None) -> list[tuple[str, str]]:
+        """(file, function) from the innermost frame outwards."""
+        out, seen = [], set()
+        while frame is not None and frame in self._frames and frame not in seen:
+            seen.add(frame)
+            file, func, frame = self._frames[frame]
+            out.append((file, func))
+        return out
+
+    def lookup(self, name: str) -> str | None:
+        """The instruction a kernel or ``hlo_op`` name refers to: the same name, or the one name whose
+        dots and dashes read as underscores (XLA's kernel names); None when none or several do."""
+        if name in self.instrs:
+            return name
+        hits = self._by_norm.get(_norm(name), [])
+        return hits[0] if len(hits) == 1 else None
+
+    def info(self, name: str) -> dict:
+        """What classifying instruction ``name`` needs: its opcodes (its own and those of the
+        computations it calls, recursively), the dimensions of its shapes and operands', custom-call
+        targets, fusion kinds and call stack (its own frame; else the union of its inner ops')."""
+        if name not in self._info:
+            self._info[name] = self._collect(name)
+        return self._info[name]
+
+    def _collect(self, name: str) -> dict:
+        ins = self.instrs[name]
+        opcodes, dims, targets, kinds, inner_stacks = set(), set(), set(), set(), []
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen or n not in self.instrs:
+                continue
+            seen.add(n)
+            i = self.instrs[n]
+            opcodes.add(i["opcode"])
+            dims |= _dims(i["shape"])
+            for o in i["operands"]:
+                if o in self.instrs:
+                    dims |= _dims(self.instrs[o]["shape"])
+            targets.update(t for t in (i["target"],) if t)
+            kinds.update(k for k in (i["kind"], i["backend_kind"]) if k)
+            if n != name:
+                inner_stacks.append(self._stack_of(i))
+            for c in i["calls"]:
+                todo.extend(self.comps.get(c, []))
+        stack = self._stack_of(ins)
+        if not stack:
+            stack = [f for s in inner_stacks for f in s]
+        if ins["opcode"] == "fusion":  # what a fusion computes is what it calls
+            opcodes.discard("fusion")
+        return {"name": name, "opcode": ins["opcode"], "opcodes": opcodes, "dims": dims,
+                "targets": targets, "kinds": kinds, "stack": stack, "op_name": ins["op_name"]}
+
+    def _stack_of(self, ins) -> list[tuple[str, str]]:
+        if ins["frame"] is not None:
+            return self.stack(ins["frame"])
+        return [(ins["source_file"], "?")] if ins["source_file"] else []
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[.\-]", "_", name)
+
+
+def classify(kernel: str, info: dict | None, vocab: int | None = None) -> tuple[str, str]:
+    """(family, rule) of one kernel; ``info`` is ``HloIndex.info`` of its instruction (None: the
+    kernel's name alone decides). Rules in order, the first that holds wins."""
+    k = kernel.lower()
+    if _ATTENTION_NAME.search(k):
+        return "attention", "kernel name"
+    if info is None:
+        if _GEMM_NAME.search(k):
+            return "matmul", "kernel name"
+        if _COPY_NAME.search(k):
+            return "copy", "kernel name"
+        return "other", "no HLO op"
+    files = [f for f, _ in info["stack"]]
+    funcs = [fn for _, fn in info["stack"]]
+    ops = info["opcodes"]
+    # everything models/gpt2.py's attend() runs, and jax_flash's own code (incl. XLA's δ = rowsum(dO∘O))
+    if "attend" in funcs or any("/jax_flash/" in f for f in files):
+        return "attention", "stack: attend / jax_flash"
+    if any(t.startswith("__cudnn$fmha") or "mosaic" in t for t in info["targets"]):
+        return "attention", "custom call"
+    # optax's update, and the step's own gradient bookkeeping in train_step (accumulate, average)
+    if any("/optax/" in f for f in files) or "apply_updates" in funcs:
+        return "optimizer", "stack: optax"
+    if "Embed.__call__" in funcs or ops & {"gather", "scatter"}:
+        return "other", "embedding lookup / scatter"
+    # the loss, and whatever holds a vocab-sized axis: the tied head's GEMMs, the logits' casts
+    if "cross_entropy" in funcs:
+        return "logits_ce", "stack: cross_entropy"
+    if vocab and vocab in info["dims"]:
+        return "logits_ce", "vocab-sized axis"
+    if "LayerNorm.__call__" in funcs or any(f.endswith("normalization.py") for f in files):
+        return "layernorm", "stack: LayerNorm"
+    if ops & {"dot", "convolution"} or any(_GEMM_TARGET.search(t.lower()) for t in info["targets"]) \
+            or any("gemm" in kd for kd in info["kinds"]) or _GEMM_NAME.search(k):
+        return "matmul", "dot / GEMM"
+    if ops <= _MOVE_OPS or _COPY_NAME.search(k):
+        return "copy", "data movement / casts only"
+    # arithmetic written in train_step itself: gradient accumulation and averaging, the rng split
+    if funcs and funcs[0].startswith("train_step"):
+        return "optimizer", "stack: train_step"
+    if "MLP.__call__" in funcs:
+        return "elementwise", "stack: MLP (GELU)"
+    if not ops & _NOT_ELEMENTWISE:
+        return "elementwise", "elementwise ops"
+    return "other", "reduction / control / custom"
+
+
+# Lines of a device that profiler viewers derive from its kernels (one event per op or module spanning
+# them): counting them too would count the kernels twice.
+_DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Framework", "Source Code", "Steps",
+                  "TensorFlow", "Launch Stats")
+
+
+def kernel_events(events: list[dict], module: str | None = None) -> tuple[list[dict], int]:
+    """The kernel events of a trace and how many were left out as another module's: a GPU's device
+    events; without a GPU (XLA:CPU), the host events that carry an ``hlo_op`` (innermost ones: a loop's
+    event encloses its body's). With ``module``, events whose ``hlo_module`` names another are left out."""
+    gpu = device_pids(events)
+    if gpu:
+        derived = {(e.get("pid"), e.get("tid")) for e in events
+                   if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpu
+                   and str(e.get("args", {}).get("name", "")).startswith(_DERIVED_LINES)}
+        ev = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
+              and (e.get("pid"), e.get("tid")) not in derived]
+    else:
+        ev = [e for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
+        ev = _innermost(ev)
+    if module is None:
+        return ev, 0
+    keep = [e for e in ev if (e.get("args") or {}).get("hlo_module", module) == module]
+    if ev and not keep:  # the trace names its modules otherwise: keep them all
+        return ev, 0
+    return keep, len(ev) - len(keep)
+
+
+def _innermost(ev):
+    by_thread = {}
+    for e in ev:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    out = []
+    for group in by_thread.values():
+        group.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        for i, e in enumerate(group):
+            nxt = group[i + 1] if i + 1 < len(group) else None
+            if nxt is not None and nxt["ts"] < e["ts"] + e.get("dur", 0):
+                continue  # encloses the next event: a loop or call around its body
+            out.append(e)
+    return out
+
+
+def families(events: list[dict], index: HloIndex | None = None, steps: int = 1,
+             vocab: int | None = None) -> dict:
+    """Kernel time per family, per step (ms), over ``steps`` steps traced back to back, with the
+    device's busy time and the span from the first kernel's start to the last one's end."""
+    ev, foreign = kernel_events(events, index.module if index is not None else None)
+    fam = {k: 0.0 for k in FAMILIES}
+    how = {"kernel name = HLO op": 0.0, "hlo_op": 0.0, "kernel name only": 0.0}
+    rows: dict[tuple, dict] = {}
+    for e in ev:
+        args = e.get("args") or {}
+        name, dur = e["name"], e.get("dur", 0.0) / 1e3
+        op, via = None, "kernel name only"
+        if index is not None:
+            # XLA names a fusion's kernel after the fusion; the hlo_op argument covers the rest
+            # (library calls, custom kernels) and may name a wrapper (a command buffer, a loop)
+            if index.lookup(name):
+                op, via = index.lookup(name), "kernel name = HLO op"
+            elif args.get("hlo_op") and index.lookup(args["hlo_op"]):
+                op, via = index.lookup(args["hlo_op"]), "hlo_op"
+        family, rule = classify(name, index.info(op) if op else None, vocab)
+        fam[family] += dur
+        how[via] += dur
+        r = rows.setdefault((name, op), {"kernel": name, "hlo_op": op, "family": family, "rule": rule,
+                                         "ms": 0.0, "launches": 0})
+        r["ms"] += dur
+        r["launches"] += 1
+    iv = [(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ev]
+    span = (max(b for _, b in iv) - min(a for a, _ in iv)) / 1e3 if iv else 0.0
+    per = lambda x: x / steps
+    kernels = sorted(rows.values(), key=lambda r: -r["ms"])
+    for r in kernels:
+        r["ms"], r["launches"] = per(r["ms"]), per(r["launches"])
+    return {"steps": steps, "total_ms": per(sum(fam.values())), "busy_ms": per(_union(iv) / 1e3),
+            "span_ms": per(span), "families_ms": {k: per(v) for k, v in fam.items()},
+            "attributed_ms": {k: per(v) for k, v in how.items()}, "foreign_events": foreign,
+            "kernels": kernels}
+
+
+def families_markdown(res: dict, title: str = "", top: int = 12) -> str:
+    """A families table (ms per step, share of kernel time), then the largest kernels."""
+    total = res["total_ms"] or float("nan")
+    lines = [f"{title}\n" if title else "", "| family | ms / step | share |", "|---|---|---|"]
+    for k, label in FAMILIES.items():
+        ms = res["families_ms"][k]
+        lines.append(f"| {label} | {ms:.2f} | {100 * ms / total:.1f} % |")
+    lines.append(f"| **all kernels** | **{res['total_ms']:.2f}** | 100 % |")
+    att = res["attributed_ms"]
+    lines += ["", f"Per step over {res['steps']} steps traced back to back: the device busy "
+              f"{res['busy_ms']:.2f} ms of a {res['span_ms']:.2f} ms span from the first kernel's start to "
+              f"the last one's end (idle {res['span_ms'] - res['busy_ms']:.2f} ms). Kernel time matched "
+              f"to its HLO op by the kernel's name {att['kernel name = HLO op']:.2f} ms, by the trace's "
+              f"hlo_op {att['hlo_op']:.2f} ms; judged by kernel name alone {att['kernel name only']:.2f} ms."
+              + (f" {res['foreign_events']} kernel events of other modules left out."
+                 if res["foreign_events"] else ""),
+              "", "| kernel | HLO op | family | rule | ms / step | launches / step |",
+              "|---|---|---|---|---|---|"]
+    for r in res["kernels"][:top]:
+        lines.append(f"| `{r['kernel'][:60]}` | {r['hlo_op'] or '—'} | {FAMILIES[r['family']]} | "
+                     f"{r['rule']} | {r['ms']:.3f} | {r['launches']:g} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
 def _print_summary(shape, pss, spec, s, tag=""):
     fmt = lambda x: "—" if x is None else f"{x:.3f}"
     print(f"{shape} {pss} {spec:>20}{tag}: wait {fmt(s['wait_ms'])}  span {fmt(s['span_ms'])}  "
@@ -147,25 +537,35 @@ def trace_variant(fn, args, calls: int, log_dir: str) -> list[dict]:
 
 
 def main(argv=None):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import jax_flash
-    from bench.attention import _jax_pass
-    from lab import ab
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="4x8192x16x128")
     p.add_argument("--pass", dest="pss", default="fwd+bwd", choices=("fwd", "bwd", "fwd+bwd"))
     p.add_argument("--variants", default="new")
-    p.add_argument("--entries", default=str(ab.ENTRIES), help="JSON file: NAME -> entry")
+    p.add_argument("--entries", default=None, help="JSON file: NAME -> entry (default lab.ab's)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--from-json", default=None, help="print a saved --out file (no GPU), with halves")
     p.add_argument("--smi", default=None, help="summarise an nvidia-smi CSV log (no GPU)")
     p.add_argument("--busy-watts", type=float, default=300.0)
+    p.add_argument("--families", default=None, metavar="TRACE",
+                   help="kernel time per op family of a training-step trace (no GPU), with --hlo")
+    p.add_argument("--hlo", default=None, help="the step's optimized HLO text (.txt or .txt.gz)")
+    p.add_argument("--steps", type=int, default=1, help="steps in the --families trace")
+    p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (logits' axis)")
+    p.add_argument("--top", type=int, default=12, help="largest kernels listed")
     a = p.parse_args(argv)
+    if a.families:
+        index = None
+        if a.hlo:
+            raw = open(a.hlo, "rb").read()
+            index = HloIndex((gzip.decompress(raw) if a.hlo.endswith(".gz") else raw).decode())
+        res = families(load_trace(a.families), index, steps=a.steps, vocab=a.vocab)
+        text = families_markdown(res, top=a.top)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text)
+        print(text, end="")
+        return
     if a.smi:
         print(json.dumps(smi_summary(a.smi, a.busy_watts)))
     if a.from_json:
@@ -177,8 +577,16 @@ def main(argv=None):
                 _print_summary(shape, saved["pass"], spec, h, tag)
     if a.smi or a.from_json:
         return
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_flash
+    from bench.attention import _jax_pass
+    from lab import ab
+
     shape = tuple(int(x) for x in a.shape.split("x"))
-    entries = json.load(open(a.entries))
+    entries = json.load(open(a.entries or ab.ENTRIES))
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
     out = {"shape": list(shape), "pass": a.pss, "jax_version": jax.__version__,
