@@ -11,7 +11,7 @@ PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12
 VENV11 ?= .venv-jax011
 STAMP11 := $(VENV11)/.installed
 
-.PHONY: demo test test-all test-mosaic clean
+.PHONY: demo test test-all test-mosaic clean nanogpt
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,23 @@ data/full.npz: $(STAMP)
 	$(PY) -m train.data install --full
 	$(PY) -m train.data prepare --out data/full
 	$(PY) -m train.data export --src data/full --out data/full.npz
+
+# nanoGPT's model.py for the side-by-side training-step benchmark (`python -m bench.train_step --nanogpt
+# third_party/nanoGPT`, docs/PERFORMANCE.md), at a pinned commit, into the ignored third_party/: it is
+# never committed. From GitHub, or from a local clone or bare copy: `make nanogpt NANOGPT_GIT=DIR`.
+NANOGPT_URL ?= https://github.com/karpathy/nanoGPT
+NANOGPT_REV ?= 3adf61e154c3fe3fca428ad6bc3818b27a3b8291
+NANOGPT_GIT ?=
+
+nanogpt:
+	mkdir -p third_party/nanoGPT
+	set -e; src="$(NANOGPT_GIT)"; tmp=""; \
+	if [ -z "$$src" ]; then tmp=$$(mktemp -d); src=$$tmp; \
+	  git clone -q --bare --filter=blob:none $(NANOGPT_URL) "$$tmp"; fi; \
+	git -C "$$src" show $(NANOGPT_REV):model.py > third_party/nanoGPT/model.py.tmp; \
+	if [ -n "$$tmp" ]; then rm -rf "$$tmp"; fi
+	mv third_party/nanoGPT/model.py.tmp third_party/nanoGPT/model.py
+	@echo "third_party/nanoGPT/model.py: nanoGPT $(NANOGPT_REV), sha256 $$(sha256sum third_party/nanoGPT/model.py | cut -d' ' -f1)"
 
 clean:
 	rm -rf $(VENV) $(VENV11) .pytest_cache

@@ -1,61 +1,509 @@
-"""GPT-2 small training throughput on one GPU, attention arms side by side in one process.
+"""GPT-2 training step time: our step per attention arm and nanoGPT's own step, side by side in one call.
 
-    python -m bench.train_step [--steps 30] [--batch 32] [--arms fa2,fa2-stable,cudnn]
-        [--out FILE.json]
+    python -m bench.train_step [--steps 30] [--warmup 5] [--batch 32[,16]] [--arms fa2,fa2-stable,cudnn]
+        [--primary fa2-stable] [--preset small-gpu] [--set KEY=VALUE ...] [--nanogpt third_party/nanoGPT]
+        [--profile DIR] [--budget SECONDS] [--out FILE.json]
+    python -m bench.train_step --from-json FILE.json        # its table as markdown (no GPU)
 
-Synthetic uniform tokens (throughput does not depend on the text), the small-gpu preset (GPT-2
-small, 1024 context, bf16 compute, AdamW). Reports tokens/s (median step time after the compiled
-first step) and MFU (nanoGPT's 6N + 12·L·d·T FLOPs per token over the H200's 989 TFLOP/s dense bf16).
+Our step is train/gpt2.py's ``train_step`` built and jitted as ``train.gpt2.train`` builds it (state
+donated, replicated over a 1-D data mesh), with the preset's model and optimizer plus the arm's
+overrides (experiments/arms.py) and ``--set``'s; nanoGPT's is its train.py step on its model.py
+(bench/nanogpt_step.py), of the same sizes, micro-batch, accumulation and optimizer settings.
+
+Each (arm, micro-batch) runs in a fresh process of its own: peak device memory is that run's alone
+(JAX's allocator cannot reset its peak), XLA and PyTorch never share a GPU's memory, and a crash or a
+time-out loses one run. The JAX runs share XLA's autotuning cache (a persistent compilation cache
+directory that stores no executables), so later arms reuse the GEMM autotuning of the first. Order:
+the primary arm and nanoGPT at each micro-batch first, then the other arms, so that a call cut short
+by ``--budget`` still holds the comparison the target is judged on. The results file is rewritten
+after every run.
+
+Timing (bench/step_timing.py, the same loop for both frameworks): batches on the device before
+timing, ``--warmup`` steps, then ``--steps`` steps each waited for (median and spread of these are the
+step time), then ``--steps`` dispatched back to back and waited for once. tokens/s = tokens per step
+/ median step time. MFU = FLOPs per token (nanoGPT's estimate 6N + 12·L·d·T, N the parameters without
+position embeddings, ``train.gpt2.flops_per_token``, the same for every arm) × tokens/s / the device's
+dense bf16 peak (``train.gpt2.PEAK_BF16_FLOPS``: 989 TFLOP/s for an H200). Peak memory: JAX's
+``peak_bytes_in_use``, PyTorch's ``max_memory_allocated``.
+
+``--profile DIR`` traces ``--profile-steps`` steps of the primary arm at the first micro-batch (back to
+back, after its timing) and writes DIR/profile.md (kernel time per op family, ``lab.trace_split``),
+DIR/trace.json.gz (the perfetto trace) and DIR/hlo.txt.gz (the step's optimized HLO, which the
+grouping reads); ``python -m lab.trace_split --families DIR/trace.json.gz --hlo DIR/hlo.txt.gz``
+groups them again without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import gzip
 import json
-import statistics
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import jax
-import numpy as np
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ARMS = "fa2,fa2-stable,cudnn"
+# Guesses of a run's seconds (start, compile, steps) used to decide whether the next one still fits
+# the budget, until a run of the same kind has been timed.
+FIRST_GUESS_S = {"jax": 90.0, "torch": 120.0}
+MAX_PROFILE_FILE = 15 << 20  # bytes: the device machine returns files of up to 16 MiB
+_clock = time.perf_counter  # the parent's clock for the budget (tests replace it)
 
-from experiments import arms
-from train import config as config_lib
-from train.gpt2 import read_metrics, train
 
-class Synthetic:
-    def __init__(self, n, vocab=50257, seed=0):
-        rng = np.random.default_rng(seed)
-        self.train = rng.integers(0, vocab, n, dtype=np.uint16)
-        self.val = rng.integers(0, vocab, 1 << 16, dtype=np.uint16)
-        self.meta = {"synthetic": True}
+# ----------------------------------------------------------------------------- worker (JAX)
+
+
+def jax_worker(spec: dict) -> dict:
+    """Time our step as ``spec`` says (one arm, one micro-batch); optionally profile it."""
+    import functools
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from bench.step_timing import synthetic_batches, time_steps
+    from train import config as config_lib
+    from train.gpt2 import (grad_accum_steps, init_state, make_model, make_optimizer, split_model,
+                            train_step)
+
+    t_start = time.perf_counter()
+    cfg = config_lib.validate(config_lib.from_dict(spec["config"]))
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("data",))
+    replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data"))
+    accum = grad_accum_steps(cfg, len(devices))
+    seq = cfg.data.seq_len or cfg.model.block_size
+    micro = cfg.data.batch_size * len(devices)
+
+    graphdef, params = split_model(make_model(cfg))
+    tx, schedule = make_optimizer(cfg)
+    state = jax.device_put(init_state(cfg, params, tx), replicated)
+    del params
+    toks = synthetic_batches(spec["seed"], 2, accum, micro, seq, cfg.model.vocab_size).astype(np.int32)
+    batches = [jax.device_put((t[..., :-1], t[..., 1:]), data_sharding) for t in toks]
+    step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule),
+                      donate_argnums=0, out_shardings=(replicated, replicated))
+    t0 = time.perf_counter()
+    compiled = step_fn.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    held = {"state": state, "i": 0}
+    del state
+
+    def step():
+        b = batches[held["i"] % 2]
+        held["i"] += 1
+        held["state"], metrics = compiled(held["state"], b)
+        return metrics  # one executable: its outputs are ready together
+
+    timing = time_steps(step, jax.block_until_ready, warmup=spec["warmup"], steps=spec["steps"])
+    loss = float(step()["loss"])
+    stats = devices[0].memory_stats() or {}
+    try:
+        ma = compiled.memory_analysis()
+        analysis = {k: getattr(ma, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    except Exception:  # not every backend reports it
+        analysis = None
+    import flax
+    import jaxlib
+    import optax
+
+    out = {
+        **timing,
+        "compile_s": compile_s,
+        "loss_last": loss,
+        "n_params_non_embedding": cfg.model.num_params(non_embedding=True),
+        "tokens_per_step": accum * micro * seq,
+        "grad_accum": accum,
+        "n_devices": len(devices),
+        "peak_memory_bytes": stats.get("peak_bytes_in_use"),
+        "compiled_memory_bytes": analysis,
+        "device": devices[0].device_kind,
+        "platform": devices[0].platform,
+        "versions": {"python": sys.version.split()[0], "jax": jax.__version__,
+                     "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__,
+                     "numpy": np.__version__},
+    }
+    if spec.get("profile"):
+        try:
+            out["profile"] = _profile(step, compiled, cfg, spec)
+        except Exception as e:  # the timing above stands without it
+            out["profile"] = {"error": f"{type(e).__name__}: {e}"}
+    out["wall_s"] = time.perf_counter() - t_start
+    return out
+
+
+def _profile(step, compiled, cfg, spec) -> dict:
+    import jax
+
+    from lab import trace_split
+
+    pdir = Path(spec["profile"])
+    pdir.mkdir(parents=True, exist_ok=True)
+    n = spec["profile_steps"]
+    with tempfile.TemporaryDirectory(prefix="step-trace-") as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            handle = None
+            for _ in range(n):
+                handle = step()
+            jax.block_until_ready(handle)
+        trace = trace_split.trace_file(tmp)
+        events = trace_split.load_trace(trace)
+        files = []
+        if os.path.getsize(trace) <= MAX_PROFILE_FILE:
+            shutil.copy(trace, pdir / "trace.json.gz")
+            files.append("trace.json.gz")
+    hlo = compiled.as_text()
+    index = trace_split.HloIndex(hlo)
+    res = trace_split.families(events, index, steps=n, vocab=cfg.model.vocab_size)
+    packed = gzip.compress(hlo.encode())
+    if len(packed) <= MAX_PROFILE_FILE:
+        (pdir / "hlo.txt.gz").write_bytes(packed)
+        files.append("hlo.txt.gz")
+    title = (f"Kernel time of one training step by op family: arm {spec['arm']}, micro-batch "
+             f"{cfg.data.batch_size}, {jax.devices()[0].device_kind}, jax {jax.__version__} "
+             f"(`python -m bench.train_step … --profile DIR`)")
+    (pdir / "profile.md").write_text(trace_split.families_markdown(res, title))
+    files.append("profile.md")
+    return {**res, "kernels": res["kernels"][:40], "files": files, "dir": str(pdir)}
+
+
+# ----------------------------------------------------------------------------- the parent
+
+
+def _configs(args):
+    """(cfg of the preset with --set applied, {arm: cfg}) — the parent's view, no device touched."""
+    from experiments import arms as arms_lib
+    from train import config as config_lib
+
+    base = config_lib.apply_overrides(config_lib.get_preset(args.preset), args.set)
+    per_arm = {}
+    for arm in args.arms:
+        per_arm[arm] = config_lib.apply_overrides(
+            config_lib.get_preset(args.preset), arms_lib.overrides(arm) + list(args.set))
+    return base, per_arm
+
+
+def plan(arms: list[str], batches: list[int], primary: str, nanogpt: bool) -> list[tuple[str, str, int]]:
+    """(kind, arm, micro-batch) in run order: per micro-batch the primary arm and nanoGPT, then the
+    other arms per micro-batch."""
+    order = []
+    for b in batches:
+        order.append(("jax", primary, b))
+        if nanogpt:
+            order.append(("torch", "nanogpt", b))
+    order += [("jax", a, b) for b in batches for a in arms if a != primary]
+    return order
+
+
+_running: list[subprocess.Popen] = []  # the worker in flight, for _stop
+
+
+def _launch(cmd: list[str], env: dict, timeout: float | None, log_path: Path) -> tuple[int | None, float]:
+    """Run ``cmd`` in its own process group; (exit status or None on time-out, seconds)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        _running.append(proc)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its compile workers too
+            proc.wait()
+            rc = None
+        finally:
+            _running.remove(proc)
+    return rc, time.perf_counter() - t0
+
+
+def _stop(signum, frame):
+    """Terminated (an outer time limit): take the worker in flight down too; the results file holds
+    every run finished so far."""
+    for proc in list(_running):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise SystemExit(128 + signum)
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+def _git_rev():
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def derive(run: dict, flops_per_token: float, peak_flops: dict) -> None:
+    """tokens/s and MFU of a finished run, from its median and back-to-back step times."""
+    from train.gpt2 import PEAK_BF16_FLOPS
+
+    med = (run.get("step_ms") or {}).get("median")
+    if not med:
+        return
+    peak = None
+    for name, value in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if run.get("platform") in ("gpu", "cuda") and name in (run.get("device") or ""):
+            peak = value * run.get("n_devices", 1)
+            break
+    tps = run["tokens_per_step"] / (med / 1e3)
+    run["tokens_per_s"] = tps
+    run["mfu"] = flops_per_token * tps / peak if peak else None
+    if run.get("back_to_back_ms"):
+        run["back_to_back_tokens_per_s"] = run["tokens_per_step"] / (run["back_to_back_ms"] / 1e3)
+        run["back_to_back_mfu"] = (flops_per_token * run["back_to_back_tokens_per_s"] / peak
+                                   if peak else None)
+    if peak:
+        peak_flops[run["device"]] = peak / run.get("n_devices", 1)
+
+
+def compare(runs: list[dict]) -> None:
+    """Each ok JAX run's tokens/s over nanoGPT's at the same micro-batch (median and back to back)."""
+    ref = {r["batch"]: r for r in runs if r["arm"] == "nanogpt" and r.get("tokens_per_s")}
+    for r in runs:
+        n = ref.get(r["batch"])
+        if r["arm"] != "nanogpt" and r.get("tokens_per_s") and n:
+            r["vs_nanogpt"] = r["tokens_per_s"] / n["tokens_per_s"]
+            if r.get("back_to_back_tokens_per_s") and n.get("back_to_back_tokens_per_s"):
+                r["vs_nanogpt_back_to_back"] = (r["back_to_back_tokens_per_s"]
+                                                / n["back_to_back_tokens_per_s"])
+
+
+def run_all(args) -> dict:
+    from experiments import arms as arms_lib
+    from train import config as config_lib
+    from train.gpt2 import flops_per_token, grad_accum_steps
+
+    base, per_arm = _configs(args)
+
+    seq = base.data.seq_len or base.model.block_size
+    fpt = flops_per_token(base.model, seq)
+    nanogpt = args.nanogpt is not None
+    order = plan(args.arms, args.batch, args.primary, nanogpt)
+    result = {
+        "what": "GPT-2 training step time per arm (bench.train_step)",
+        "command": "python -m bench.train_step " + " ".join(args.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "git_rev": _git_rev(),
+        "preset": args.preset, "set": list(args.set),
+        "model": {k: getattr(base.model, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size",
+                                                         "block_size", "dtype", "logits_dtype")},
+        "seq_len": seq, "n_params_non_embedding": base.model.num_params(non_embedding=True),
+        "flops_per_token": fpt,
+        "flops_formula": "6N + 12*L*d*T (nanoGPT's estimate; N without position embeddings)",
+        "mfu_peak": "dense bf16 peak of the device (train.gpt2.PEAK_BF16_FLOPS), per device",
+        "peak_flops": {},
+        "timing": (f"{args.warmup} warm-up steps, then {args.steps} steps each waited for (step_ms: "
+                   f"median, quartiles, range), then {args.steps} back to back waited for once "
+                   "(back_to_back_ms); tokens/s from the median; each run a fresh process"),
+        "steps": args.steps, "warmup": args.warmup, "batches": args.batch, "primary": args.primary,
+        "versions": {}, "device": None, "runs": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out)
+
+    work = Path(tempfile.mkdtemp(prefix="train-step-"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    if not args.no_compile_cache:
+        # a cache directory turns on XLA's per-fusion autotuning cache under it; executables
+        # themselves (never the same twice here) are not written
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(work / "jax-cache"))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1e9")
+    previous = signal.signal(signal.SIGTERM, _stop)
+    t_begin = _clock()
+    took: dict[str, list[float]] = {"jax": [], "torch": [], "profile": []}
+    try:
+        for i, (kind, arm, batch) in enumerate(order):
+            run = {"arm": arm, "batch": batch, "framework": kind}
+            if kind == "jax":
+                cfg = config_lib.apply_overrides(per_arm[arm], [f"data.batch_size={batch}"])
+                run["overrides"] = arms_lib.overrides(arm)
+            else:  # one GPU
+                cfg = config_lib.apply_overrides(base, [f"data.batch_size={batch}"])
+                run.update(nanogpt=args.nanogpt, grad_accum=grad_accum_steps(cfg, 1))
+            profile = bool(args.profile) and kind == "jax" and arm == args.primary and batch == args.batch[0]
+            result["runs"].append(run)
+            elapsed = _clock() - t_begin
+            # the profiled run takes longer than the others: a guess for them only without another
+            guess = max(took[kind] or (took["profile"] if kind == "jax" else []) or [FIRST_GUESS_S[kind]])
+            if args.budget and elapsed + guess > args.budget:
+                run.update(status="skipped", error=f"budget: {elapsed:.0f} s spent, a run takes "
+                           f"about {guess:.0f} s, {args.budget:.0f} s allowed")
+                print(f"[{arm} b{batch}] skipped ({run['error']})", flush=True)
+                save()
+                continue
+            if kind == "torch" and not (Path(args.nanogpt) / "model.py").is_file():
+                run.update(status="missing", error=f"{args.nanogpt}/model.py not found: run "
+                           "`make nanogpt` (docs/PERFORMANCE.md) and carry third_party/nanoGPT")
+                print(f"[{arm} b{batch}] {run['error']}", flush=True)
+                save()
+                continue
+            spec = {"arm": arm, "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
+                    "result": str(work / f"result-{i}.json")}
+            if kind == "jax":
+                spec["config"] = config_lib.to_dict(cfg)
+                if profile:
+                    spec.update(profile=args.profile, profile_steps=args.profile_steps)
+                cmd = [sys.executable, "-m", "bench.train_step", "--worker", str(work / f"spec-{i}.json")]
+            else:
+                o, mc = cfg.optim, cfg.model
+                spec.update(nanogpt=str(Path(args.nanogpt).resolve()), compile=args.nanogpt_compile,
+                            model={k: getattr(mc, k) for k in ("n_layer", "n_head", "n_embd",
+                                                               "vocab_size", "block_size")},
+                            dtype=mc.dtype, seq_len=seq, micro_batch=batch, accum=run["grad_accum"],
+                            optim={"lr": o.lr, "b1": o.b1, "b2": o.b2, "eps": o.eps,
+                                   "weight_decay": o.weight_decay, "clip": o.clip or 0.0,
+                                   "warmup_steps": o.warmup_steps})
+                cmd = [args.torch_python, "-m", "bench.nanogpt_step", str(work / f"spec-{i}.json")]
+            (work / f"spec-{i}.json").write_text(json.dumps(spec))
+            timeout = args.worker_timeout
+            if args.budget:
+                timeout = min(timeout, max(args.budget - elapsed, 1.0))
+            print(f"[{arm} b{batch}] started at {elapsed:.0f} s (time limit {timeout:.0f} s)", flush=True)
+            log = work / f"log-{i}.txt"
+            rc, secs = _launch(cmd, env, timeout, log)
+            took["profile" if profile else kind].append(secs)
+            for line in _tail(log, args.log_lines if rc == 0 else max(args.log_lines, 200)):
+                print(f"[{arm} b{batch}] {line}", flush=True)
+            run["process_s"] = secs
+            res_path = Path(spec["result"])
+            if rc == 0 and res_path.is_file():
+                run.update(json.loads(res_path.read_text()), status="ok")
+                for k, v in run.pop("versions", {}).items():
+                    result["versions"].setdefault(k, v)
+                result["device"] = result["device"] or run.get("device")
+                derive(run, fpt, result["peak_flops"])
+                if kind == "torch" and run.get("n_params_non_embedding") != result["n_params_non_embedding"]:
+                    run["warning"] = "nanoGPT's parameter count differs from ours"
+                if run.get("profile"):
+                    result["profile"] = {"arm": arm, "batch": batch, **run.pop("profile")}
+                print(_line(run), flush=True)
+            else:
+                run.update(status="timeout" if rc is None else "failed", exit_status=rc,
+                           error="\n".join(_tail(log, 30)))
+                print(f"[{arm} b{batch}] {run['status']} after {secs:.0f} s", flush=True)
+            compare(result["runs"])
+            save()
+    except SystemExit:
+        for r in result["runs"]:
+            r.setdefault("status", "interrupted")
+        save()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(work, ignore_errors=True)
+    result["total_s"] = _clock() - t_begin
+    save()
+    print(markdown(result), flush=True)
+    return result
+
+
+def _line(r: dict) -> str:
+    s = r["step_ms"]
+    mfu = f"MFU {r['mfu']:.3f}" if r.get("mfu") is not None else "MFU —"
+    mem = f"{r['peak_memory_bytes'] / 2**30:.1f} GiB" if r.get("peak_memory_bytes") else "— GiB"
+    return (f"[{r['arm']} b{r['batch']}] {r['tokens_per_s']:,.0f} tokens/s  {s['median']:.2f} ms/step "
+            f"(q1 {s['q1']:.2f}, q3 {s['q3']:.2f}, range {s['min']:.2f}–{s['max']:.2f})  back to back "
+            f"{r['back_to_back_ms']:.2f} ms  {mfu}  peak {mem}  compile {r.get('compile_s') or 0:.0f} s")
+
+
+def markdown(result: dict) -> str:
+    """The results as a markdown table (one row per run, in run order)."""
+    fmt = lambda x, f: "—" if x is None else format(x, f)
+    lines = [f"GPT-2 step, {result.get('device') or '?'}, {result['seq_len']} tokens per sequence, "
+             f"{result['steps']} timed steps after {result['warmup']} (`{result['command']}`)", "",
+             "| arm | micro-batch | tokens/s | ms/step median (q1–q3) | back to back ms | MFU | "
+             "peak memory GiB | compile s | vs nanoGPT |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['arm']} | {r['batch']} | {r.get('status')} | | | | | | |")
+            continue
+        s = r["step_ms"]
+        mem = r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None
+        lines.append(f"| {r['arm']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {s['median']:.2f} "
+                     f"({s['q1']:.2f}–{s['q3']:.2f}) | {fmt(r.get('back_to_back_ms'), '.2f')} | "
+                     f"{fmt(r.get('mfu'), '.3f')} | {fmt(mem, '.1f')} | {fmt(r.get('compile_s'), '.0f')} | "
+                     f"{fmt(r.get('vs_nanogpt'), '.3f')} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--arms", default="fa2,fa2-stable,cudnn", help="experiments/arms.py names")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps (and as many back to back)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
+    ap.add_argument("--batch", default="32", help="micro-batches, comma-separated, e.g. 32,16")
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help="experiments/arms.py names")
+    ap.add_argument("--primary", default=None,
+                    help="arm run first at each micro-batch and profiled (default fa2-stable if listed)")
     ap.add_argument("--preset", default="small-gpu")
-    ap.add_argument("--out", default="throughput.json")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every arm and for nanoGPT's sizes (repeatable)")
+    ap.add_argument("--nanogpt", default=None, metavar="DIR", help="time nanoGPT's step from DIR/model.py")
+    ap.add_argument("--nanogpt-compile", default="auto", choices=("auto", "on", "off"),
+                    help="torch.compile nanoGPT's model (auto: on CUDA only)")
+    ap.add_argument("--torch-python", default=sys.executable, help="interpreter of the nanoGPT run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=None, metavar="DIR", help="profile the primary arm into DIR")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="skip runs that would not finish within this many seconds of the start")
+    ap.add_argument("--worker-timeout", type=float, default=600.0, metavar="SECONDS")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="no persistent JAX compilation cache shared by the runs")
+    ap.add_argument("--log-lines", type=int, default=20,
+                    help="last lines of each run's log to print (of a failed run's: at least 200)")
+    ap.add_argument("--out", default="train_step.json")
+    ap.add_argument("--from-json", default=None, metavar="FILE", help="print FILE's table (no GPU)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    tokens = Synthetic(20_000_000)
-    results = []
-    for arm in args.arms.split(","):
-        cfg = config_lib.apply_overrides(config_lib.get_preset(args.preset), arms.overrides(arm) + [
-            f"max_steps={args.steps}", "eval_every=0", "checkpoint_every=0", "progress=false",
-            f"data.batch_size={args.batch}", f"run_dir=runs/throughput/{arm}"])
-        summary = train(cfg, tokens=tokens)
-        recs = read_metrics(cfg.run_dir)[2:]  # step 1 compiles; step 2 may still warm up
-        step_s = statistics.median(r["step_time_s"] for r in recs)
-        res = dict(arm=arm, overrides=arms.overrides(arm), preset=args.preset, batch=args.batch, seq_len=1024,
-                   tokens_per_s=summary["tokens_per_step"] / step_s, step_ms=step_s * 1e3,
-                   mfu=statistics.median(r["mfu"] for r in recs) if recs[0]["mfu"] else None,
-                   final_loss=summary["final_loss"], steps=args.steps,
-                   jax_version=jax.__version__, device=jax.devices()[0].device_kind)
-        results.append(res)
-        print(f"{arm:14s} {res['tokens_per_s']:10.0f} tokens/s  {res['step_ms']:7.1f} ms/step  "
-              f"MFU {res['mfu'] or 0:.3f}  loss {res['final_loss']:.3f}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    if args.worker:
+        spec = json.loads(Path(args.worker).read_text())
+        Path(spec["result"]).write_text(json.dumps(jax_worker(spec), indent=1))
+        return None
+    if args.from_json:
+        print(markdown(json.loads(Path(args.from_json).read_text())), end="")
+        return None
+    args.argv = argv
+    args.arms = [a for a in args.arms.split(",") if a]
+    args.batch = [int(b) for b in str(args.batch).split(",") if b]
+    if args.primary is None:
+        args.primary = "fa2-stable" if "fa2-stable" in args.arms else args.arms[0]
+    if args.primary not in args.arms:
+        ap.error(f"--primary {args.primary} is not among --arms")
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1 (the first step compiles nanoGPT's model)")
+    try:
+        _configs(args)
+    except (KeyError, ValueError) as e:
+        ap.error(str(e))
+    return run_all(args)
 
 
 if __name__ == "__main__":
