@@ -37,7 +37,7 @@ if [[ " $parts " == *" step "* ]]; then
   # fa2-stable / nanoGPT pairs come first), and the results file is complete after every run
   timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch 32,16 \
     --arms fa2,fa2-stable,cudnn --primary fa2-stable --nanogpt third_party/nanoGPT \
-    --profile "$OUT/profile" --budget "${STEP_BUDGET:-500}" \
+    --profile "$OUT/profile" --budget "${STEP_BUDGET:-520}" \
     --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "train step: exit $r"; tail -14 "$OUT/train_step.log"
 fi

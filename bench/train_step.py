@@ -334,6 +334,8 @@ def run_all(args) -> dict:
         # themselves (never the same twice here) are not written
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(work / "jax-cache"))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1e9")
+        (Path(env["JAX_COMPILATION_CACHE_DIR"]) / "xla_gpu_per_fusion_autotune_cache_dir").mkdir(
+            parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _stop)
     t_begin = _clock()
     took: dict[str, list[float]] = {"jax": [], "torch": [], "profile": []}

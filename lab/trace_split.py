@@ -413,6 +413,8 @@ def classify(kernel: str, info: dict | None, vocab: int | None = None) -> tuple[
     return "other", "reduction / control / custom"
 
 
+_WRAPPERS = {"while", "call", "conditional", "async-start", "async-done"}
+
 # Lines of a device that profiler viewers derive from its kernels (one event per op or module spanning
 # them): counting them too would count the kernels twice.
 _DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Framework", "Source Code", "Steps",
@@ -462,19 +464,20 @@ def families(events: list[dict], index: HloIndex | None = None, steps: int = 1,
     device's busy time and the span from the first kernel's start to the last one's end."""
     ev, foreign = kernel_events(events, index.module if index is not None else None)
     fam = {k: 0.0 for k in FAMILIES}
-    how = {"kernel name = HLO op": 0.0, "hlo_op": 0.0, "kernel name only": 0.0}
+    how = {"hlo_op": 0.0, "kernel name = HLO op": 0.0, "kernel name only": 0.0}
     rows: dict[tuple, dict] = {}
     for e in ev:
         args = e.get("args") or {}
         name, dur = e["name"], e.get("dur", 0.0) / 1e3
         op, via = None, "kernel name only"
         if index is not None:
-            # XLA names a fusion's kernel after the fusion; the hlo_op argument covers the rest
-            # (library calls, custom kernels) and may name a wrapper (a command buffer, a loop)
-            if index.lookup(name):
+            # the trace's hlo_op names the launching instruction, unless it is a wrapper (a loop,
+            # a call) around it; XLA names a fusion's kernel after the fusion
+            by_op = index.lookup(args["hlo_op"]) if args.get("hlo_op") else None
+            if by_op and index.instrs[by_op]["opcode"] not in _WRAPPERS:
+                op, via = by_op, "hlo_op"
+            elif index.lookup(name):
                 op, via = index.lookup(name), "kernel name = HLO op"
-            elif args.get("hlo_op") and index.lookup(args["hlo_op"]):
-                op, via = index.lookup(args["hlo_op"]), "hlo_op"
         family, rule = classify(name, index.info(op) if op else None, vocab)
         fam[family] += dur
         how[via] += dur
@@ -506,8 +509,8 @@ def families_markdown(res: dict, title: str = "", top: int = 12) -> str:
     lines += ["", f"Per step over {res['steps']} steps traced back to back: the device busy "
               f"{res['busy_ms']:.2f} ms of a {res['span_ms']:.2f} ms span from the first kernel's start to "
               f"the last one's end (idle {res['span_ms'] - res['busy_ms']:.2f} ms). Kernel time matched "
-              f"to its HLO op by the kernel's name {att['kernel name = HLO op']:.2f} ms, by the trace's "
-              f"hlo_op {att['hlo_op']:.2f} ms; judged by kernel name alone {att['kernel name only']:.2f} ms."
+              f"to its HLO op by the trace's hlo_op {att['hlo_op']:.2f} ms, by the kernel's name "
+              f"{att['kernel name = HLO op']:.2f} ms; judged by kernel name alone {att['kernel name only']:.2f} ms."
               + (f" {res['foreign_events']} kernel events of other modules left out."
                  if res["foreign_events"] else ""),
               "", "| kernel | HLO op | family | rule | ms / step | launches / step |",
