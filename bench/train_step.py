@@ -434,9 +434,15 @@ def _line(r: dict) -> str:
             f"{r['back_to_back_ms']:.2f} ms  {mfu}  peak {mem}  compile {r.get('compile_s') or 0:.0f} s")
 
 
-def markdown(result: dict) -> str:
-    """The results as a markdown table (one row per run, in run order)."""
+def markdown(result: dict | list) -> str:
+    """The results as a markdown table (one row per run, in run order). Files of the earlier form
+    (a list of per-arm records: median step time, tokens/s, MFU) give those columns."""
     fmt = lambda x, f: "—" if x is None else format(x, f)
+    if isinstance(result, list):
+        lines = ["| arm | micro-batch | tokens/s | ms/step | MFU | device |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['arm']} | {r.get('batch', '—')} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.2f} | "
+                  f"{fmt(r.get('mfu'), '.3f')} | {r.get('device', '—')} |" for r in result]
+        return "\n".join(lines) + "\n"
     lines = [f"GPT-2 step, {result.get('device') or '?'}, {result['seq_len']} tokens per sequence, "
              f"{result['steps']} timed steps after {result['warmup']} (`{result['command']}`)", "",
              "| arm | micro-batch | tokens/s | ms/step median (q1–q3) | back to back ms | MFU | "
