@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 from experiments import arms
@@ -64,6 +65,11 @@ def run(args):
     summary["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
+    if summary.get("diverged_at") is not None:  # a result here, but the exit status says so
+        from train.gpt2 import EXIT_DIVERGED
+
+        print(f"diverged at step {summary['diverged_at']}: {summary['reason']}", file=sys.stderr)
+        sys.exit(EXIT_DIVERGED)
 
 
 def first_step_above(recs, key, threshold):
