@@ -234,7 +234,7 @@ def _dpa_call(query, key, value, bias, mask, q_lens, kv_lens, window, implementa
             raise TypeError(f"local_window_size must be an int or (left, right), got {window!r}")
         if isinstance(window, (int, np.integer)):
             window = (window, window)
-        if len(window) != 2 or not all(isinstance(w, (int, np.integer)) and
+        if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(isinstance(w, (int, np.integer)) and
                                        not isinstance(w, (bool, np.bool_)) for w in window):
             raise TypeError(f"local_window_size must be an int or (left, right) ints, got "
                             f"{window!r}")
