@@ -74,7 +74,7 @@ def attention(q, k, v, *, causal=True, stable=False, beta=2.0, sm_scale=None, po
              delta=delta, impl=impl, block_q=block_q, block_k=block_k, launch=launch)
     if _empty(q):
         return jnp.zeros(q.shape, q.dtype)
-    return _attention(q, k, v, None, p.numerics, p.launch, p.executor)
+    return _attention(q, k, v, p.numerics, p.launch, p.executor)
 
 
 def attention_with_lse(q, k, v, **kwargs):
@@ -140,7 +140,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if _empty(q):
         return jnp.zeros(out_shape, q.dtype)
     none = all(x is None for x in ex)
-    o = _attention(q, k, v, None if none else ex, p.numerics, p.launch, p.executor)
+    o = _attention(q, k, v, p.numerics, p.launch, p.executor, None if none else ex)
     o = _fully_masked_rows(o, v, ex, p.numerics)
     return o.reshape(out_shape)
 
@@ -328,7 +328,7 @@ def _plan(q, k, v, *, causal, stable, beta, sm_scale, policy, delta, impl, block
                    block_k=_block(block_k, default_k, kv_len, "block_k"), q_len=q_len,
                    kv_len=kv_len, scale_late=default_scale_late(pol, head_dim) and not bias,
                    window=window, seq_lengths=seq_lengths, mask=mask, bias=bias,
-                   groups=q.shape[2] // k.shape[2])
+                   groups=q.shape[2] // k.shape[2] if k.shape[2] else 1)
     on_gpu = jax.default_backend() == "gpu"
     kernel_d = kernel_head_dim(head_dim)
     dense = [name for name, on in (("mask", mask), ("bias", bias)) if on]
@@ -433,7 +433,7 @@ def _check_arrays(q, k, v):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v head counts differ: {k.shape[2]} vs {v.shape[2]}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+    if (k.shape[2] == 0 and q.shape[2] != 0) or (k.shape[2] and q.shape[2] % k.shape[2]):
         raise ValueError(f"q's head count must be a multiple of k's and v's (GQA/MQA), got q "
                          f"{q.shape[2]}, k {k.shape[2]}")
     if not (q.shape[3] == k.shape[3] == v.shape[3]):
@@ -519,12 +519,12 @@ def _forward(q, k, v, cfg: Numerics, launch: Launch, executor: str, ex: Extras |
     return o_res.astype(q.dtype), o_res, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, ex: Extras | None, cfg: Numerics, launch: Launch, executor: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, cfg: Numerics, launch: Launch, executor: str, ex: Extras | None = None):
     return _forward(q, k, v, cfg, launch, executor, ex)[0]
 
 
-def _attention_fwd(q, k, v, ex, cfg, launch, executor):
+def _attention_fwd(q, k, v, cfg, launch, executor, ex=None):
     o, o_res, lse = _forward(q, k, v, cfg, launch, executor, ex)
     return o, (q, k, v, ex, o_res, lse)
 

@@ -21,6 +21,19 @@ from . import forward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body
 
 
+def _num_kv_tiles(i, cfg: Numerics, nk: int):
+    """Key tiles query block i visits without a window or lengths (the causal diagonal ends the
+    loop early): ``tile.kv_tile_bounds``' hi."""
+    return tile.kv_tile_bounds(i * cfg.block_q, cfg.block_q, cfg.block_k, nk, cfg)[3]
+
+
+def _num_full_kv_tiles(i, cfg: Numerics, nk: int):
+    """Leading key tiles that need no mask for query block i (no window or lengths): inside kv_len
+    and, when causal, entirely at or below the block's first row: ``tile.kv_tile_bounds``'
+    full_hi."""
+    return tile.kv_tile_bounds(i * cfg.block_q, cfg.block_q, cfg.block_k, nk, cfg)[2]
+
+
 def kv_loop(i, cfg: Numerics, nk: int, body, init, split_diagonal: bool = False, lengths=None):
     """``fori_loop`` of ``body(j, carry, mask)`` over the key tiles query block i visits, in order
     (``tile.kv_tile_bounds``: tiles outside the causal diagonal, the window or the lengths are
