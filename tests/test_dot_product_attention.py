@@ -19,7 +19,7 @@ BF16 = jnp.bfloat16
 TILES = dict(block_q=16, block_k=16)  # several tiles per row at these lengths
 U_BF16 = 2.0 ** -8  # BF16 unit roundoff (half its ulp at 1)
 
-# the bound for float32 inputs: ‖out − jax.nn‖ / ‖jax.nn‖; FP32 sums over ≤ 64 terms with
+# the required bound for float32 inputs: ‖out − jax.nn‖ / ‖jax.nn‖; FP32 sums over ≤ 64 terms with
 # a few roundings each stay below 1e-6 on these shapes
 F32_REL = 2e-5
 

@@ -141,16 +141,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: Nu
     # the query blocks that see this key tile (tile.q_block_bounds); with split_diagonal those that
     # see all of it run without mask arithmetic, in the same order
     lo, full_lo, full_hi, hi = tile.q_block_bounds(j * bk, bq, bk, nq, cfg, lengths)
-    if not launch.split_diagonal:
-        full_lo = full_hi = hi
 
     def one_head(g, dkdv):
         masked = lambda i, acc: body(g, i, acc, mask_of(i))
-        init = (*dkdv, *rows_of(g, lo)) if launch.prefetch_rows else dkdv
-        acc = lax.fori_loop(lo, full_lo, masked, init)
+        acc = (*dkdv, *rows_of(g, lo)) if launch.prefetch_rows else dkdv
+        if not launch.split_diagonal:
+            return lax.fori_loop(lo, hi, masked, acc)[:2]
+        acc = lax.fori_loop(lo, full_lo, masked, acc)
         acc = lax.fori_loop(full_lo, full_hi, lambda i, acc: body(g, i, acc, None), acc)
-        acc = lax.fori_loop(full_hi, hi, masked, acc)
-        return acc[:2]
+        return lax.fori_loop(full_hi, hi, masked, acc)[:2]
 
     zeros = jnp.zeros((bk, d), jnp.float32)
     # the group's heads in order, each head's blocks in order (the jnp executor's order)
