@@ -5,6 +5,8 @@ PyTorch's flash kernel, plus compiled memory footprints.
         [--rounds 5] [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md OUT.md]
         [--plot OUT.png]
     python -m bench.attention --from-json bench/results/FILE.json --md OUT.md   # re-render, no GPU
+    python -m bench.attention --dropin [--reps 30] [--rounds 5] [--out FILE.json]
+        # jax_flash.dot_product_attention on GQA and a sliding window beside cuDNN (DROPIN_CASES)
 
 Method: bfloat16 inputs; every implementation compiled and warmed up, then timed in one process,
 the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``), ≥ ``--reps``
@@ -396,6 +398,102 @@ def write_markdown(path, records, mem, source, device, version, date):
     print("wrote", path)
 
 
+# ----------------------------------------------------- dot_product_attention beside cuDNN
+# (name, shape [B, T, N, H], kv heads, window (left, right) or None), causal, bfloat16. A window of
+# 1,024 keys is (1023, 0): query i sees keys i − 1023 … i, what cuDNN's sliding_window_length = 1024
+# is (jax.nn passes it left + 1).
+DROPIN_CASES = (
+    ("gqa", (4, 4096, 32, 128), 8, None),
+    ("window1024", (2, 8192, 16, 128), 16, (1023, 0)),
+    ("causal_full", (2, 8192, 16, 128), 16, None),  # the window's causal baseline
+)
+
+
+def visible_pairs(t, window):
+    """(query, key) pairs a causal call sees at length t, with ``window`` (left, right) or None."""
+    if window is None:
+        return t * (t + 1) / 2
+    left = window[0]
+    return sum(min(i, left) + 1 for i in range(t))
+
+
+def dropin_flops(shape, window, pss):
+    """4·B·N·D per visible pair (Q·Kᵀ and P·V), fwd+bwd as 3.5× fwd (``pass_flops``' convention)."""
+    b, t, n, d = shape
+    return 4.0 * b * n * d * visible_pairs(t, window) * {"fwd": 1.0, "fwd+bwd": 3.5, "bwd": 2.5}[pss]
+
+
+def _dropin_impls(kv_heads, window, n_heads):
+    """(impl, stable, fn(q, k, v)) for one case: jax-flash's drop-in (default and stable), cuDNN and
+    XLA through jax.nn, and for GQA jax-flash with K/V repeated by hand (what a user did before)."""
+    kw = dict(is_causal=True, local_window_size=window)
+    for stable in (False, True):
+        yield "jax_flash", stable, (lambda q, k, v, st=stable: jf.dot_product_attention(
+            q, k, v, stable=st, **kw))
+    for impl in ("cudnn", "xla"):
+        yield impl, None, (lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+            q, k, v, implementation=impl, **kw))
+    if kv_heads != n_heads and window is None:
+        g = n_heads // kv_heads
+        yield "jax_flash_repeat_kv", False, (lambda q, k, v: jf.attention(
+            q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)))
+
+
+def dropin(reps, rounds=5, passes=("fwd", "fwd+bwd"), log=print, sync="round", cases=DROPIN_CASES):
+    """Records for ``DROPIN_CASES``: every implementation of a case and pass timed interleaved
+    (``timed_interleaved``), with ``jax_flash.dot_product_attention_plan``'s executor, kernels and
+    notes beside jax-flash's. Speed ratios: ``dropin_table``."""
+    records = []
+    dev = jax.devices()[0].device_kind
+    per_round = max(1, -(-reps // rounds))
+    for name, shape, kv_heads, window in cases:
+        b, t, n, d = shape
+        rng = np.random.default_rng(0)
+        q = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        k, v = (jnp.asarray(rng.standard_normal((b, t, kv_heads, d)), jnp.bfloat16)
+                for _ in range(2))
+        plan = jf.dot_product_attention_plan(q, k, v, is_causal=True, local_window_size=window)
+        ran = dict(executor=plan.executor, fwd_kernel=plan.launch.fwd_kernel,
+                   bwd_kernel=plan.launch.bwd_kernel, notes=list(plan.notes))
+        impls = {(impl, stable): f for impl, stable, f in _dropin_impls(kv_heads, window, n)}
+        base = dict(case=name, shape=list(shape), kv_heads=kv_heads,
+                    window=None if window is None else list(window), causal=True,
+                    jax_version=jax.__version__, device=dev, sync=sync)
+        for pss in passes:
+            fns = {key: _jax_pass(f, pss) for key, f in impls.items()}
+            rounds_ms = {}
+            ms = timed_interleaved(fns, (q, k, v), per_round, rounds, sync=sync, per_round=rounds_ms,
+                                   log=lambda m, p=pss: log(f"{name} {p} {m}"))
+            for (impl, stable), t_ms in ms.items():
+                rec = dict(base, impl=impl, policy="fa2" if impl.startswith("jax_flash") else None,
+                           stable=stable, **{"pass": pss}, ms=t_ms,
+                           tflops=dropin_flops(shape, window, pss) / t_ms / 1e9,
+                           rounds_ms=rounds_ms[(impl, stable)],
+                           **(ran if impl == "jax_flash" else {}))
+                records.append(rec)
+                log(f"{name:12} {pss:8} {impl:20} stable={str(stable):5} {t_ms:9.3f} ms "
+                    f"{rec['tflops']:7.1f} TFLOP/s")
+    return records
+
+
+def dropin_table(records):
+    """Markdown: per case and pass, every implementation's ms and cuDNN's ms over it (≥ 1: faster
+    than cuDNN), with the paired-round median ratio where the records carry rounds."""
+    lines = ["| case | pass | impl | stable | ms | cuDNN ms / ms |", "|---|---|---|---|---|---|"]
+    for rec in records:
+        cudnn = next((r for r in records if (r["case"], r["pass"], r["impl"]) ==
+                      (rec["case"], rec["pass"], "cudnn")), None)
+        ratio = "—"
+        if cudnn and rec.get("rounds_ms") and cudnn.get("rounds_ms"):
+            med, (lo, hi) = paired_median(cudnn["rounds_ms"], rec["rounds_ms"])
+            ratio = f"{med:.2f} ({lo:.2f} … {hi:.2f})"
+        elif cudnn:
+            ratio = f"{cudnn['ms'] / rec['ms']:.2f}"
+        lines.append(f"| {rec['case']} | {rec['pass']} | {rec['impl']} | {rec['stable']} | "
+                     f"{rec['ms']:.3f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="32x1024x12x64,8x2048x16x128,4x8192x16x128")
@@ -409,6 +507,9 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")
     ap.add_argument("--plot", default=None, help="also draw TFLOP/s bars (PNG) here")
+    ap.add_argument("--dropin", action="store_true",
+                    help="time DROPIN_CASES (jax_flash.dot_product_attention: GQA, a sliding "
+                         "window) beside cuDNN and XLA instead of the shapes")
     ap.add_argument("--from-json", default=None,
                     help="re-render --md / --plot from a results file (and its -memory.json) without timing")
     args = ap.parse_args(argv)
@@ -423,6 +524,15 @@ def main(argv=None):
         if args.plot:
             plot(records, args.plot, f"{r0['device']}, jax {r0['jax_version']} "
                                      f"({os.path.basename(args.from_json)})")
+        return
+    if args.dropin:
+        records = dropin(args.reps, args.rounds, sync=args.sync)
+        device = jax.devices()[0].device_kind.replace(" ", "_")
+        out = args.out or f"bench/results/{datetime.date.today()}-{device}-dropin.json"
+        with open(out, "w") as f:
+            json.dump(records, f, indent=1)
+        print(dropin_table(records))
+        print("wrote", out)
         return
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     modes = (True, False) if args.non_causal else (True,)

@@ -144,9 +144,9 @@ def flash_stored_o_and_delta(q, k, v, do, *, causal=True, stable=False, beta=2.0
     for the ``delta`` mode — rowsum(dO ∘ O_stored) for "o")."""
     from . import api, jnp_impl, pallas
 
-    cfg, launch, impl = api.plan(q, k, v, causal=causal, stable=stable, beta=beta,
-                                 sm_scale=sm_scale, policy=policy, delta=delta, impl=impl,
-                                 block_q=block_q, block_k=block_k)
+    p = api.plan(q, k, v, causal=causal, stable=stable, beta=beta, sm_scale=sm_scale,
+                 policy=policy, delta=delta, impl=impl, block_q=block_q, block_k=block_k)
+    cfg, launch, impl = p.numerics, p.launch, p.executor
     _, o_res, lse = api._forward(q, k, v, cfg, launch, impl)
     qp, kp, vp = (api._pad(x, b) for x, b in ((q, cfg.block_q), (k, cfg.block_k), (v, cfg.block_k)))
     dop, op = api._pad(do, cfg.block_q), api._pad(o_res, cfg.block_q)

@@ -58,11 +58,30 @@ class Numerics:
     # monotone), the exps take scale·s − m (one FMA on a GPU), and the tie test compares q·kᵀ with the
     # threshold divided by the scale. Last bits of O and L differ from scaling first.
     scale_late: bool = False
+    # Which (query, key) pairs are visible, beyond kv_len and causal (key ≤ query, top-left aligned
+    # as in jax.nn: query i sees keys 0..i whatever the lengths): ``window`` (left, right) keeps keys
+    # i − left ≤ j ≤ i + right; ``seq_lengths``: per-batch query and key lengths arrive as arrays
+    # (rows and keys past them are masked, their tiles skipped); ``mask``/``bias``: a dense boolean
+    # mask / additive bias on the scores (jnp executor only).
+    window: tuple[int, int] | None = None
+    seq_lengths: bool = False
+    mask: bool = False
+    bias: bool = False
+    # query heads per key/value head (GQA/MQA): the dK/dV of a key tile sums the group's heads in
+    # order, each head's query blocks in order
+    groups: int = 1
 
     def __post_init__(self):
         if self.scale_late and (self.policy.round_scores or self.policy.round_shifted):
             raise ValueError(f"scale_late needs unrounded scores; policy {self.policy.name!r} "
                              "rounds them")
+        if self.scale_late and self.bias:
+            raise ValueError("scale_late keeps q·kᵀ unscaled, which a bias cannot be added to")
+        if self.window is not None and (
+                len(self.window) != 2 or not all(type(w) is int for w in self.window)):
+            raise ValueError(f"window must be (left, right) Python ints, got {self.window!r}")
+        if type(self.groups) is not int or self.groups < 1:
+            raise ValueError(f"groups must be a positive int, got {self.groups!r}")
 
     @property
     def score_scale(self) -> float:
@@ -137,15 +156,20 @@ class Launch:
 
 
 class Plan(NamedTuple):
-    """What ``jax_flash.attention`` will compute and how: ``executor`` "pallas" or "jnp"."""
+    """What ``jax_flash.attention`` will compute and how: ``executor`` "pallas" or "jnp";
+    ``notes``: what the plan substituted and why (another executor, the Triton kernels for Mosaic
+    ones, a padded head_dim) — never other numerics."""
 
     numerics: Numerics
     launch: Launch
     executor: str
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """A JSON-ready record of the plan (for a run's metadata)."""
         num = {f.name: getattr(self.numerics, f.name) for f in dataclasses.fields(Numerics)
                if f.name != "policy"}
+        if num["window"] is not None:
+            num["window"] = list(num["window"])
         return {"policy": self.numerics.policy.name, **num, "executor": self.executor,
-                "launch": self.launch.to_dict()}
+                "launch": self.launch.to_dict(), "notes": list(self.notes)}

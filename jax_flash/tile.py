@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .policy import Policy
+from .policy import LOG2E, Policy
 from .rounding import cast_rounded, round_to, stochastic_round_to
 from .spec import Numerics
 
@@ -127,13 +127,25 @@ def _log(x: float, pol) -> float:
 
 
 # ------------------------------------------------------------------------------------------- forward
-def scores(q, k, cfg: Numerics):
-    """S = scale·q·kᵀ in the policy's units and rounding (FP32 container)."""
+def scores(q, k, cfg: Numerics, bias=None):
+    """S = scale·q·kᵀ (+ bias) in the policy's units and rounding (FP32 container). ``bias``: the
+    tile of an additive bias on the natural-unit logits (FP32; ``Numerics.bias``), or None."""
     pol = cfg.policy
     s = dot_nt(q, k, pol)
     if pol.round_scores:  # a BF16 GEMM output, then a BF16 multiply by the scale
-        return round_to(round_to(s, pol.lp_dtype) * cfg.score_scale, pol.lp_dtype)
-    return s * cfg.score_scale
+        s = round_to(round_to(s, pol.lp_dtype) * cfg.score_scale, pol.lp_dtype)
+    else:
+        s = s * cfg.score_scale
+    return s if bias is None else add_bias(s, bias, cfg)
+
+
+def add_bias(s, bias, cfg: Numerics):
+    """Scores plus an additive bias given in natural units (converted to the policy's units; a
+    policy that rounds its scores rounds the sum too). −inf in the bias masks the entry."""
+    pol = cfg.policy
+    b = bias.astype(jnp.float32)
+    s = s + (b * LOG2E if pol.log2_units else b)
+    return round_to(s, pol.lp_dtype) if pol.round_scores else s
 
 
 def tie_threshold(r_m, cfg: Numerics):
@@ -227,15 +239,16 @@ def init_carry(bq: int, d: int, cfg: Numerics) -> Carry:
                  jnp.zeros((bq, d), jnp.float32), m_raw)
 
 
-def forward_scores(q, k, cfg: Numerics):
+def forward_scores(q, k, cfg: Numerics, bias=None):
     """The scores as the forward's softmax takes them: ``scores``, or unscaled q·kᵀ under
-    ``Numerics.scale_late``."""
-    return dot_nt(q, k, cfg.policy) if cfg.scale_late else scores(q, k, cfg)
+    ``Numerics.scale_late`` (never with a bias)."""
+    return dot_nt(q, k, cfg.policy) if cfg.scale_late else scores(q, k, cfg, bias)
 
 
-def forward_tile(carry: Carry, q, k, v, mask, cfg: Numerics) -> Carry:
-    """One online-softmax update of (m, ℓ, acc) with key tile (k, v); ``mask=None``: nothing masked."""
-    return forward_tile_from_scores(carry, forward_scores(q, k, cfg), v, mask, cfg)
+def forward_tile(carry: Carry, q, k, v, mask, cfg: Numerics, bias=None) -> Carry:
+    """One online-softmax update of (m, ℓ, acc) with key tile (k, v); ``mask=None``: nothing masked;
+    ``bias``: the tile's additive bias (``scores``)."""
+    return forward_tile_from_scores(carry, forward_scores(q, k, cfg, bias), v, mask, cfg)
 
 
 def forward_tile_from_scores(carry: Carry, s, v, mask, cfg: Numerics) -> Carry:
@@ -330,12 +343,12 @@ def _p_from_scores(s, lse, mask, pol: Policy):
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def probabilities(q, k, lse, mask, cfg: Numerics):
+def probabilities(q, k, lse, mask, cfg: Numerics, bias=None):
     """P = exp(S − L) recomputed from the saved L; masked entries 0 (``mask=None``: none masked)."""
-    return _p_from_scores(scores(q, k, cfg), lse[:, None], mask, cfg.policy)
+    return _p_from_scores(scores(q, k, cfg, bias), lse[:, None], mask, cfg.policy)
 
 
-def delta_tile(acc, q, k, v, do, lse, mask, cfg: Numerics):
+def delta_tile(acc, q, k, v, do, lse, mask, cfg: Numerics, bias=None):
     """Accumulate one key tile into the δ pass for ``delta`` = "dpp" or "o_hp".
 
     "dpp": acc = (Σ_j rowsum(dP∘P),) — the paper's alternative δ.
@@ -343,7 +356,7 @@ def delta_tile(acc, q, k, v, do, lse, mask, cfg: Numerics):
     (so a rounded ℓ inside L does not bias it).
     """
     pol = cfg.policy
-    p = probabilities(q, k, lse, mask, cfg)
+    p = probabilities(q, k, lse, mask, cfg, bias)
     if cfg.delta == "dpp":
         dp = dot_nt(do, v, pol)
         return (acc[0] + jnp.sum(dp * p, axis=1),)
@@ -364,15 +377,15 @@ def delta_from_o(o, do):
     return jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
 
 
-def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask_t, cfg: Numerics):
+def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask_t, cfg: Numerics, bias_t=None):
     """Accumulate one query block's contribution to (dK, dV) of a key tile. dK lacks the sm_scale.
 
-    Computed transposed, keys along rows (Sᵀ = K·Qᵀ, ``mask_t`` ``[bk, bq]``): then Pᵀ and dSᵀ are the
-    left operands of dV += Pᵀ·dO and dK += dSᵀ·Q as they are, where the untransposed form makes the
-    compiled kernel transpose two score tiles per step through shared memory.
+    Computed transposed, keys along rows (Sᵀ = K·Qᵀ, ``mask_t`` and ``bias_t`` ``[bk, bq]``): then Pᵀ
+    and dSᵀ are the left operands of dV += Pᵀ·dO and dK += dSᵀ·Q as they are, where the untransposed
+    form makes the compiled kernel transpose two score tiles per step through shared memory.
     """
     pol = cfg.policy
-    s_t = scores(k, q, cfg)  # Sᵀ = scale·k·qᵀ: P's entries, transposed
+    s_t = scores(k, q, cfg, bias_t)  # Sᵀ = scale·k·qᵀ: P's entries, transposed
     # dPᵀ does not need P: its MMA goes out before P's exp, which can then run under it
     dp_t = dot_nt(v, do, pol)
     p_t = _p_from_scores(s_t, lse[None, :], mask_t, pol)
@@ -382,23 +395,105 @@ def backward_tile_dkdv(dk, dv, q, k, v, do, lse, delta, mask_t, cfg: Numerics):
     return dk, dv
 
 
-def backward_tile_dq(dq, q, k, v, do, lse, delta, mask, cfg: Numerics):
-    """Accumulate one key tile's contribution to dQ of a query block. dQ lacks the sm_scale."""
+def backward_tile_dq(dq, q, k, v, do, lse, delta, mask, cfg: Numerics, bias=None,
+                     with_ds=False):
+    """Accumulate one key tile's contribution to dQ of a query block. dQ lacks the sm_scale.
+    ``with_ds``: also return the tile's dS = P∘(dP − δ) (FP32), the gradient of the natural-unit
+    logits and so of an additive bias."""
     pol = cfg.policy
-    s = scores(q, k, cfg)
+    s = scores(q, k, cfg, bias)
     dp = dot_nt(do, v, pol)  # before P's exp, as in backward_tile_dkdv
     ds = _p_from_scores(s, lse[:, None], mask, pol) * (dp - delta[:, None])
-    return dq + dot_nn(cast_rounded(ds, pol.p_dtype), k, pol)
+    dq = dq + dot_nn(cast_rounded(ds, pol.p_dtype), k, pol)
+    return (dq, ds) if with_ds else dq
 
 
-def tile_mask(q_start, k_start, bq: int, bk: int, cfg: Numerics, *, transposed: bool = False):
-    """[bq, bk] mask of a tile: keys inside kv_len, and key ≤ query when causal.
-    ``transposed``: the same mask as [bk, bq] (keys along rows), built directly."""
+def tile_mask(q_start, k_start, bq: int, bk: int, cfg: Numerics, *, transposed: bool = False,
+              lengths=None):
+    """[bq, bk] mask of a tile (True = visible): keys inside kv_len, key ≤ query when causal
+    (top-left aligned), keys in [query − left, query + right] under a window, and with ``lengths``
+    = (q_len, kv_len) of this batch element (traced scalars, ``Numerics.seq_lengths``) rows before
+    q_len and keys before kv_len only. ``transposed``: the same mask as [bk, bq] (keys along rows),
+    built directly."""
     q_axis, k_axis = (1, 0) if transposed else (0, 1)
     shape = (bk, bq) if transposed else (bq, bk)
     rows = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     cols = k_start + lax.broadcasted_iota(jnp.int32, shape, k_axis)
-    mask = cols < cfg.kv_len
+    mask = cols < (cfg.kv_len if lengths is None else lengths[1])
+    if lengths is not None:
+        mask = mask & (rows < lengths[0])
     if cfg.causal:
         mask = mask & (cols <= rows)
+    if cfg.window is not None:
+        left, right = cfg.window
+        mask = mask & (cols >= rows - left) & (cols <= rows + right)
     return mask
+
+
+# ----------------------------------------------------------------------------------- loop bounds
+# Which tiles a kernel visits. Any superset of the tiles holding a visible entry gives the same
+# values (a tile with nothing visible is an exact no-op: α = 1, P̄ = 0; the jnp executor visits every
+# tile), so these bounds decide speed only. Integer scalars: Python ints or traced int32.
+def _cdiv(a, b: int):
+    return (a + (b - 1)) // b
+
+
+def _clip(x, lo, hi):
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def kv_tile_bounds(q_start, bq: int, bk: int, nk: int, cfg: Numerics, lengths=None):
+    """(lo, full_lo, full_hi, hi) for the query rows [q_start, q_start + bq): key tiles [lo, hi) hold
+    every key visible to one of them; tiles [full_lo, full_hi) ⊆ [lo, hi) are visible to all of
+    them (no mask needed). ``lengths``: as in ``tile_mask``."""
+    q_end, kv_len = q_start + bq, cfg.kv_len
+    if lengths is not None:
+        q_end, kv_len = jnp.minimum(q_end, lengths[0]), lengths[1]
+    k_lo, k_hi = 0, kv_len  # keys that some row may see: [k_lo, k_hi)
+    f_lo, f_hi = 0, kv_len  # keys that every row sees: [f_lo, f_hi)
+    if cfg.causal:
+        k_hi = jnp.minimum(k_hi, q_end)
+        f_hi = jnp.minimum(f_hi, q_start + 1)
+    if cfg.window is not None:
+        left, right = cfg.window
+        k_lo = jnp.maximum(q_start - left, 0)
+        k_hi = jnp.minimum(k_hi, q_end + right)
+        f_lo = jnp.maximum(q_start + bq - 1 - left, 0)
+        f_hi = jnp.minimum(f_hi, q_start + right + 1)
+    lo = jnp.minimum(k_lo // bk, nk)
+    hi = jnp.where(k_hi > k_lo, _clip(_cdiv(jnp.maximum(k_hi, 0), bk), lo, nk), lo)
+    if lengths is not None:
+        hi = jnp.where(q_end > q_start, hi, lo)  # rows all past q_len: nothing to visit
+    full_lo = _clip(_cdiv(f_lo, bk), lo, hi)
+    full_hi = _clip(jnp.maximum(f_hi, 0) // bk, full_lo, hi)
+    if lengths is not None:  # a row past q_len is masked: no tile is mask-free then
+        full_hi = jnp.where(q_start + bq <= lengths[0], full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+def q_block_bounds(k_start, bq: int, bk: int, nq: int, cfg: Numerics, lengths=None):
+    """(lo, full_lo, full_hi, hi) for the keys [k_start, k_start + bk): query blocks [lo, hi) hold
+    every row that sees one of them; blocks [full_lo, full_hi) ⊆ [lo, hi) see all of them (no mask
+    needed). ``lengths``: as in ``tile_mask``."""
+    k_end, kv_len, q_hi = k_start + bk, cfg.kv_len, nq * bq
+    if lengths is not None:
+        k_end, kv_len, q_hi = jnp.minimum(k_end, lengths[1]), lengths[1], lengths[0]
+    q_lo = 0  # rows that may see a key of the tile: [q_lo, q_hi)
+    f_lo, f_hi = 0, q_hi  # rows that see every key of the tile: [f_lo, f_hi)
+    if cfg.causal:
+        q_lo = k_start
+        f_lo = k_start + bk - 1
+    if cfg.window is not None:
+        left, right = cfg.window
+        q_lo = jnp.maximum(q_lo, k_start - right)
+        q_hi = jnp.minimum(q_hi, k_end + left)
+        f_lo = jnp.maximum(f_lo, k_start + bk - 1 - right)
+        f_hi = jnp.minimum(f_hi, k_start + left + 1)
+    q_lo = jnp.maximum(q_lo, 0)
+    lo = jnp.minimum(q_lo // bq, nq)
+    hi = jnp.where((q_hi > q_lo) & (k_end > k_start),
+                   _clip(_cdiv(jnp.maximum(q_hi, 0), bq), lo, nq), lo)
+    full_lo = _clip(_cdiv(jnp.maximum(f_lo, 0), bq), lo, hi)
+    full_hi = _clip(jnp.maximum(f_hi, 0) // bq, full_lo, hi)
+    full_hi = jnp.where(k_start + bk <= kv_len, full_hi, full_lo)  # keys past kv_len are masked
+    return lo, full_lo, full_hi, hi

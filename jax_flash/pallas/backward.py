@@ -2,8 +2,10 @@
 
 * δ: for ``delta="o"`` one fused FP32 rowsum(dO ∘ O) in XLA; for "dpp" / "o_hp" a kernel that walks
   the key tiles like the forward.
-* dK/dV: grid (batch, head, key tile); loops over query blocks from the causal diagonal on.
-* dQ: grid (batch, head, query block); loops over key tiles up to the causal diagonal.
+* dK/dV: grid (key tile, batch, key/value head); loops over the group's query heads and, for each,
+  over the query blocks that see the tile (``tile.q_block_bounds``: from the causal diagonal on,
+  inside a window and the lengths).
+* dQ: grid (query block, batch, head); loops over the key tiles the block sees (as the forward).
 P is recomputed from the saved L, so nothing quadratic in T is stored.
 """
 
@@ -21,7 +23,7 @@ from .. import tile
 from ..spec import Launch, Numerics
 from . import backward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body
-from .forward import kv_loop
+from .forward import kv_head, kv_loop, length_specs, read_lengths
 
 
 # Grids are (block, batch, head): the block index varies fastest, so the programs running at once
@@ -38,8 +40,21 @@ def _block_spec(b_rows, d):
     return pl.BlockSpec((None, b_rows, None, d), lambda i, b, hh: (b, i, hh, 0))
 
 
-def _full_spec(t, d):
-    return pl.BlockSpec((None, t, None, d), lambda i, b, hh: (b, 0, hh, 0))
+def _full_spec(t, d, groups=1):
+    return pl.BlockSpec((None, t, None, d), lambda i, b, hh: (b, 0, kv_head(hh, groups), 0))
+
+
+def _group_spec(t, d, groups):
+    """All ``groups`` query heads of key/value head hh, full length: [T, G, D] per program."""
+    if groups == 1:
+        return _full_spec(t, d)
+    return pl.BlockSpec((None, t, groups, d), lambda i, b, hh: (b, 0, hh, 0))
+
+
+def _group_rows_spec(t, groups):
+    if groups == 1:
+        return _full_rows_spec(t)
+    return pl.BlockSpec((None, groups, t), lambda i, b, hh: (b, hh, 0))
 
 
 def _name(kind, cfg):
@@ -48,8 +63,9 @@ def _name(kind, cfg):
 
 # ------------------------------------------------------------------------------------------------ δ
 @kernel_body
-def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Numerics, launch: Launch,
+def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, *refs, cfg: Numerics, launch: Launch,
                   nk: int):
+    lengths, (out_ref,) = read_lengths(cfg, refs)
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
@@ -63,78 +79,91 @@ def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, out_ref, *, cfg: Numeric
 
     zeros = jnp.zeros((bq,), jnp.float32)
     init = (zeros,) if cfg.delta == "dpp" else (jnp.zeros(q.shape, jnp.float32), zeros)
-    acc = kv_loop(i, cfg, nk, body, init, launch.split_diagonal)
+    acc = kv_loop(i, cfg, nk, body, init, launch.split_diagonal, lengths)
     out_ref[...] = tile.delta_finish(acc, do, cfg)
 
 
-def delta(q, k, v, o, do, lse, cfg: Numerics, launch: Launch):
+def delta(q, k, v, o, do, lse, cfg: Numerics, launch: Launch, lengths=None):
     """δ ``[B, H, Tq]`` (FP32) for the configured δ mode."""
     if cfg.delta == "o":
         return tile.delta_from_o(o, do).transpose(0, 2, 1)
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
+    g = cfg.groups
     return pl.pallas_call(
         functools.partial(_delta_kernel, cfg=cfg, launch=launch, nk=tk // bk),
         grid=(tq // bq, bsz, h),
-        in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
-                  _row_spec(bq)],
+        in_specs=[_block_spec(bq, d), _full_spec(tk, d, g), _full_spec(tk, d, g), _block_spec(bq, d),
+                  _row_spec(bq), *length_specs(cfg, 1)],
         out_specs=_row_spec(bq),
         out_shape=jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32),
         interpret=interpret_mode(),
         compiler_params=compiler_params(launch.bwd, d, bq, bk, backward=True,
                                         itemsize=q.dtype.itemsize),
         name=_name("delta", cfg),
-    )(q, k, v, do, lse)
+    )(q, k, v, do, lse, *(lengths if cfg.seq_lengths else ()))
 
 
 # ---------------------------------------------------------------------------------------- dK and dV
 @kernel_body
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: Numerics,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: Numerics,
                  launch: Launch, nq: int):
-    pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
+    lengths, (dk_ref, dv_ref) = read_lengths(cfg, refs)
+    pol, bq, bk, groups = cfg.policy, cfg.block_q, cfg.block_k, cfg.groups
     j = pl.program_id(0)
     k = k_ref[...].astype(pol.operand_dtype)
     v = v_ref[...].astype(pol.operand_dtype)
     d = k.shape[-1]
+    # query head g of this key/value head's group: [T, D] and [T] slices (one head when G = 1)
+    block_of = (lambda ref, g, rows: ref[rows, :]) if groups == 1 else \
+        (lambda ref, g, rows: ref[rows, g, :])
+    rows_of_ref = (lambda ref, g, rows: ref[rows]) if groups == 1 else \
+        (lambda ref, g, rows: ref[g, rows])
 
-    def rows_of(i):  # L and δ of query block i (clamped: the last prefetch reads a block unused)
-        rows = pl.ds(jnp.minimum(i, nq - 1) * bq, bq)
-        return lse_ref[rows], delta_ref[rows]
+    def rows_of(g, i):  # L and δ of query block i (clamped: the last prefetch reads a block unused)
+        rows = pl.ds(jnp.clip(i, 0, nq - 1) * bq, bq)
+        return rows_of_ref(lse_ref, g, rows), rows_of_ref(delta_ref, g, rows)
 
-    def body(i, acc, mask):
+    def body(g, i, acc, mask):
         rows = pl.ds(i * bq, bq)
-        q = q_ref[rows, :].astype(pol.operand_dtype)
-        do = do_ref[rows, :].astype(pol.operand_dtype)
+        q = block_of(q_ref, g, rows).astype(pol.operand_dtype)
+        do = block_of(do_ref, g, rows).astype(pol.operand_dtype)
         if launch.prefetch_rows:  # this block's L, δ came with the carry; the next block's load now
             dk, dv, lse, dlt = acc
-            nxt = rows_of(i + 1)
+            nxt = rows_of(g, i + 1)
             return (*tile.backward_tile_dkdv(dk, dv, q, k, v, do, lse, dlt, mask, cfg), *nxt)
-        return tile.backward_tile_dkdv(*acc, q, k, v, do, lse_ref[rows], delta_ref[rows], mask, cfg)
+        lse, dlt = rows_of(g, i)
+        return tile.backward_tile_dkdv(*acc, q, k, v, do, lse, dlt, mask, cfg)
 
-    masked = lambda i, acc: body(i, acc, tile.tile_mask(i * bq, j * bk, bq, bk, cfg, transposed=True))
-    # Query blocks entirely above the causal diagonal see none of this key tile.
-    first = (j * bk) // bq if cfg.causal else 0
+    mask_of = lambda i: tile.tile_mask(i * bq, j * bk, bq, bk, cfg, transposed=True,
+                                       lengths=lengths)
+    # the query blocks that see this key tile (tile.q_block_bounds); with split_diagonal those that
+    # see all of it run without mask arithmetic, in the same order
+    lo, full_lo, full_hi, hi = tile.q_block_bounds(j * bk, bq, bk, nq, cfg, lengths)
+
+    def one_head(g, dkdv):
+        masked = lambda i, acc: body(g, i, acc, mask_of(i))
+        acc = (*dkdv, *rows_of(g, lo)) if launch.prefetch_rows else dkdv
+        if not launch.split_diagonal:
+            return lax.fori_loop(lo, hi, masked, acc)[:2]
+        acc = lax.fori_loop(lo, full_lo, masked, acc)
+        acc = lax.fori_loop(full_lo, full_hi, lambda i, acc: body(g, i, acc, None), acc)
+        return lax.fori_loop(full_hi, hi, masked, acc)[:2]
+
     zeros = jnp.zeros((bk, d), jnp.float32)
-    init = (zeros, zeros, *rows_of(first)) if launch.prefetch_rows else (zeros, zeros)
-    if launch.split_diagonal:
-        # blocks from the first one whose first row is at or below this tile's last key need no mask
-        # (when the tile lies inside kv_len); they come last, so the accumulation order is unchanged
-        first_full = pl.cdiv((j + 1) * bk - 1, bq) if cfg.causal else 0
-        first_full = jnp.where((j + 1) * bk <= cfg.kv_len, jnp.clip(first_full, first, nq), nq)
-        acc = lax.fori_loop(first, first_full, masked, init)
-        acc = lax.fori_loop(first_full, nq, lambda i, acc: body(i, acc, None), acc)
-    else:
-        acc = lax.fori_loop(first, nq, masked, init)
-    dk, dv = acc[:2]
+    # the group's heads in order, each head's blocks in order (the jnp executor's order)
+    dk, dv = one_head(0, (zeros, zeros)) if groups == 1 else \
+        lax.fori_loop(0, groups, one_head, (zeros, zeros))
     dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- dQ
 @kernel_body
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: Numerics,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: Numerics,
                launch: Launch, nk: int):
+    lengths, (dq_ref,) = read_lengths(cfg, refs)
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
     i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
@@ -146,7 +175,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
         v = v_ref[pl.ds(j * bk, bk), :].astype(pol.operand_dtype)
         return tile.backward_tile_dq(dq, q, k, v, do, lse, dlt, mask, cfg)
 
-    dq = kv_loop(i, cfg, nk, body, jnp.zeros(q.shape, jnp.float32), launch.split_diagonal)
+    dq = kv_loop(i, cfg, nk, body, jnp.zeros(q.shape, jnp.float32), launch.split_diagonal,
+                 lengths)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
@@ -158,11 +188,14 @@ def resident_block(big: int | None, cfg: Numerics, tq: int, tk: int) -> int | No
     return big
 
 
-def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp.float32):
-    """(dQ, dK, dV) ``[B, T, H, D]``, accumulated in FP32 and rounded once to ``out_dtype`` as the
-    kernels write them (writing bf16 directly saves an FP32 round trip through memory)."""
+def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp.float32,
+             lengths=None):
+    """(dQ, dK, dV) ``[B, T, H, D]`` (dK, dV with K's heads), accumulated in FP32 and rounded once
+    to ``out_dtype`` as the kernels write them (writing bf16 directly saves an FP32 round trip
+    through memory). ``lengths``: (q_lens, kv_lens) int32 ``[B]`` when ``cfg.seq_lengths``."""
     bsz, tq, h, d = q.shape
-    tk = k.shape[1]
+    tk, hk, g = k.shape[1], k.shape[2], cfg.groups
+    lens = tuple(lengths) if cfg.seq_lengths else ()
     nq = tq // cfg.block_q
     # dK/dV programs keep `big_k` keys, dQ programs `big_q` queries; the streamed tiles are unchanged
     big_k = resident_block(launch.bwd_block, cfg, tq, tk)
@@ -183,28 +216,29 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
     else:
         dk, dv = pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=dkdv_cfg, launch=launch, nq=nq),
-            grid=(tk // bk, bsz, h),
-            in_specs=[_full_spec(tq, d), _block_spec(bk, d), _block_spec(bk, d), _full_spec(tq, d),
-                      _full_rows_spec(tq), _full_rows_spec(tq)],
+            grid=(tk // bk, bsz, hk),
+            in_specs=[_group_spec(tq, d, g), _block_spec(bk, d), _block_spec(bk, d),
+                      _group_spec(tq, d, g), _group_rows_spec(tq, g), _group_rows_spec(tq, g),
+                      *length_specs(cfg, 1)],
             out_specs=[_block_spec(bk, d), _block_spec(bk, d)],
             out_shape=[jax.ShapeDtypeStruct(k.shape, out_dtype),
                        jax.ShapeDtypeStruct(v.shape, out_dtype)],
             interpret=interpret_mode(),
             compiler_params=params,
             name=_name("dkdv", cfg),
-        )(q, k, v, do, lse, dlt)
+        )(q, k, v, do, lse, dlt, *lens)
     if launch.bwd_kernel == "mosaic":
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
     else:
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, cfg=dq_cfg, launch=launch, nk=tk // cfg.block_k),
             grid=(tq // bq, bsz, h),
-            in_specs=[_block_spec(bq, d), _full_spec(tk, d), _full_spec(tk, d), _block_spec(bq, d),
-                      _row_spec(bq), _row_spec(bq)],
+            in_specs=[_block_spec(bq, d), _full_spec(tk, d, g), _full_spec(tk, d, g),
+                      _block_spec(bq, d), _row_spec(bq), _row_spec(bq), *length_specs(cfg, 1)],
             out_specs=_block_spec(bq, d),
             out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
             interpret=interpret_mode(),
             compiler_params=dq_params,
             name=_name("dq", cfg),
-        )(q, k, v, do, lse, dlt)
+        )(q, k, v, do, lse, dlt, *lens)
     return dq, dk, dv

@@ -33,7 +33,7 @@ from .. import tile
 from ..rounding import cast_rounded, native_casts
 from ..spec import Numerics
 from . import mosaic_common
-from .mosaic_common import Stream, produce_kv, stream_ring
+from .mosaic_common import Stream, produce_kv, stream_ring, unsupported_masks
 from .mosaic_common import exp2_backend as _exp2
 
 KEYS_PER_WG = 64  # wgmma's M: the keys of one compute warpgroup
@@ -58,6 +58,9 @@ def check(cfg: Numerics, shape, dtype, out_dtype=None, k_shape=None) -> str | No
         return f"delta {cfg.delta!r} (only 'o')"
     if len(shape) != 4:
         return f"rank {len(shape)} (expected [B, T, H, D])"
+    unsupported = unsupported_masks(cfg)
+    if unsupported:
+        return unsupported
     _, t, _, d = shape
     if k_shape is not None and tuple(k_shape) != tuple(shape):
         return f"k shape {tuple(k_shape)} differs from q's {tuple(shape)}"

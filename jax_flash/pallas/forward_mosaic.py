@@ -27,7 +27,7 @@ from .. import tile
 from ..rounding import native_casts
 from ..spec import Numerics
 from . import mosaic_common
-from .mosaic_common import exp2_backend as _exp2, produce_kv
+from .mosaic_common import exp2_backend as _exp2, produce_kv, unsupported_masks
 
 ROWS_PER_WG = 64  # wgmma's M: the query rows of one compute warpgroup
 COMPUTE_WGS = 2
@@ -50,6 +50,9 @@ def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
         return f"policy {cfg.policy.name!r} (only 'fa2')"
     if len(shape) != 4:
         return f"rank {len(shape)} (expected [B, T, H, D])"
+    unsupported = unsupported_masks(cfg)
+    if unsupported:
+        return unsupported
     _, t, _, d = shape
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (bfloat16 or float16 only)"

@@ -105,3 +105,17 @@ def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, 
     keys = lambda j: (batch, pl.ds(j * bk, bk), head)
     stream_ring([Stream(lambda j: k_ref.at[keys(j)], *k_ring),
                  Stream(lambda j: v_ref.at[keys(j)], *v_ring)], stages, n)
+
+
+def unsupported_masks(cfg) -> str | None:
+    """Why the Mosaic GPU kernels cannot run ``cfg``'s masking (None: they can): they implement the
+    causal diagonal and kv_len only, with one query head per key/value head."""
+    if cfg.groups != 1:
+        return f"GQA/MQA ({cfg.groups} query heads per key/value head)"
+    if cfg.window is not None:
+        return f"window {cfg.window}"
+    if cfg.seq_lengths:
+        return "per-batch sequence lengths"
+    if cfg.mask or cfg.bias:
+        return "a dense mask or bias"
+    return None
