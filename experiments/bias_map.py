@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import tile
-from jax_flash.api import _make_config
+from jax_flash.api import plan
 from jax_flash.diagnostics import signed_error_stats
 from jax_flash.rounding import round_to
 
@@ -104,11 +104,11 @@ def bias_rows(rng, n, *, kv_len=64, head_dim=HEAD_DIM, ties=2, tie_frac=0.5, top
 
 # --------------------------------------------------------------------------------------- the kernel
 def kernel_config(policy, stable, kv_len, *, beta=2.0, head_dim=HEAD_DIM, block_k=None):
-    """The Config ``jax_flash.attention`` would build for one BF16 query row against kv_len keys."""
+    """The Numerics ``jax_flash.attention`` computes for one BF16 query row against kv_len keys."""
     q = jnp.zeros((1, 1, 1, head_dim), BF16)
     kv = jnp.zeros((1, kv_len, 1, head_dim), BF16)
-    return _make_config(q, kv, kv, causal=False, stable=stable, beta=beta, sm_scale=None,
-                        policy=policy, delta="o", impl="jnp", block_q=None, block_k=block_k)[0]
+    return plan(q, kv, kv, causal=False, stable=stable, beta=beta, policy=policy, impl="jnp",
+                block_k=block_k).numerics
 
 
 _RUNNERS = {}
