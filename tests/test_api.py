@@ -102,6 +102,14 @@ def test_stable_with_large_tied_max(rng, assert_close, policy, beta, score):
                                 delta=delta, impl="jnp", block_q=16, block_k=32)
 
 
+@pytest.mark.parametrize("policy", ["fa2", "paper"])
+def test_stable_with_large_tied_max_on_the_kernels(rng, assert_close, policy):
+    q, k, v = tied_inputs(rng, (1, 24, 1, 32), score=80.0)
+    do = make_qkv(rng, q.shape, n=1)[0]
+    check_against_reference(assert_close, q, k, v, do, policy=policy, beta=7.0, stable=True,
+                            impl="pallas", block_q=16, block_k=32)
+
+
 @pytest.mark.xfail(strict=True, reason="FP16 P̄ underflows under a large stable shift (reported)")
 def test_stable_fp16_large_tied_max(rng):
     """FP16 inputs, "fa2", stable, tied maxima ≥ ~17 nats: the shifted P̄ = e^-(offset) of the tied

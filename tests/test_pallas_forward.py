@@ -83,8 +83,9 @@ def test_vmap_adds_a_grid_axis(rng):
 def test_kv_loop_splits_at_the_diagonal():
     """``kv_loop``: the tiles query block i visits, and (split_diagonal) how many of them need no
     mask — inside kv_len and at or below the block's first row."""
-    from jax_flash.pallas import forward
+    import importlib
 
+    forward = importlib.import_module("jax_flash.pallas.forward")  # the package exports the function
     x = jax.ShapeDtypeStruct((1, 100, 1, 32), BF16)
     for causal, bq, bk in ((True, 16, 16), (True, 32, 16), (True, 16, 32), (False, 16, 32)):
         cfg = numerics(x, x, x, causal=causal, block_q=bq, block_k=bk)

@@ -317,3 +317,96 @@ def test_scale_late_changes_only_last_bits(rng, assert_close, stable):
     bound, _ = o_bound(q, k, v, cfg)
     assert_close(o_late, o, 2 * bound, "O")
     assert_close(o_late, jf.reference_numpy(q, k, v), bound, "O vs float64")
+
+
+def test_bf16x6_dot_is_fp32_accurate_and_not_one_bf16_product(rng):
+    """``fp32_bf16x6``'s dots (three BF16 pieces per operand, six products) are within an FP32 dot's
+    error bound (d + 12)·2⁻²⁴·Σ|a||b| of float64 — which one BF16 product (2⁻⁸ relative per operand)
+    is not, so the split is really used. Operands spread over 2⁻²⁰ … 2²⁰ so that no piece can be
+    lost to a fixed scale."""
+    a = rng.standard_normal((48, 96)) * np.exp2(rng.integers(-20, 21, size=(48, 1)))
+    b = rng.standard_normal((40, 96))
+    a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    a, b = f64(a32), f64(b32)
+    ref, size = a @ b.T, np.abs(a) @ np.abs(b).T
+    bound = (96 + 12) * 2.0 ** -24 * size
+    for name in ("fp32", "fp32_bf16x6"):
+        out = f64(tile.dot_nt(a32, b32, jf.make_policy(name, jnp.float32)))
+        chex.assert_trees_all_close(out / bound, ref / bound, rtol=0, atol=1.0)
+    one = f64(jnp.dot(a32.astype(BF16), b32.astype(BF16).T, preferred_element_type=jnp.float32))
+    assert np.any(np.abs(one - ref) > bound)
+    hi, mid, lo = tile.split_bf16x3(a32)
+    chex.assert_type([hi, mid, lo], BF16)
+    back = f64(hi) + f64(mid) + f64(lo)
+    assert np.all(np.abs(back - a) <= 2.0 ** -24 * np.abs(a))  # 24 significant bits kept
+
+
+# ------------------------------------------------------------------- the stable shift, end to end
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_stable_with_fully_masked_key_tiles(rng, assert_close, policy, impl):
+    """Causal 32-row query blocks over 16-key tiles: rows 0–15 of each block meet a key tile that is
+    entirely masked for them (r_m = −inf there). The tie count must find no ties in such a row (its
+    entries are −inf and so is the max) — else the shift turns the row into NaN — while the tied pair
+    (keys 3 and 5) still gets the shift: O and the gradients within the policy's bound."""
+    from helpers import grad_bounds, reference_outputs, run
+
+    q, k, v = tied_inputs(rng, (1, 48, 1, 32))
+    do = make_qkv(rng, q.shape, n=1)[0]
+    kw = dict(policy=policy, impl=impl, causal=True, block_q=32, block_k=16)
+    cfg = numerics(q, k, v, stable=True, **kw)
+    stab = run(q, k, v, do, stable=True, **kw)
+    bounds = (o_bound(q, k, v, cfg)[0],) + grad_bounds(q, k, v, do, cfg)
+    for name, x, ref, bound in zip(("O", "dQ", "dK", "dV"), stab, reference_outputs(q, k, v, do, cfg),
+                                   bounds):
+        assert_close(x, ref, bound, name)
+    if policy != "fp32":  # (under "fp32" the shift moves O by less than its final BF16 rounding)
+        base = jf.attention(q, k, v, stable=False, **kw)
+        assert np.any(f64(stab[0]) != f64(base))  # the shift fired somewhere
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_stable_is_bitwise_baseline_without_ties(rng, policy, impl):
+    """On rows without ties the shift performs the same operations as the baseline: O and the
+    gradients bitwise equal."""
+    from helpers import run, tie_free_inputs
+
+    q, k, v = tie_free_inputs(rng, (1, 12, 2, 32))
+    do = make_qkv(rng, q.shape, n=1)[0]
+    kw = dict(policy=policy, impl=impl, block_q=16, block_k=16)
+    chex.assert_trees_all_equal(run(q, k, v, do, stable=False, **kw), run(q, k, v, do, stable=True, **kw))
+
+
+@pytest.mark.parametrize("policy", ["fa2", "paper"])
+def test_stable_changes_only_tie_rows(rng, policy):
+    q, k, v = tied_inputs(rng, (2, 40, 2, 32))
+    kw = dict(policy=policy, impl="jnp", block_q=16, block_k=64)  # one key tile: the pair shares it
+    base = f64(jf.attention(q, k, v, stable=False, **kw))
+    stab = f64(jf.attention(q, k, v, stable=True, **kw))
+    # Rows 0..4 see at most one of the identical keys (3 and 5): no tie, identical bits — except rows
+    # whose random scores happen to have a near-tie at their max (kept out)
+    s = np.sort(jf.reference.scores_numpy(q, k), axis=-1)  # [b, h, q, k], -inf where masked
+    accidental = np.any(s[..., -1] - s[..., -2] < 0.05, axis=1)  # [b, q], any head
+    early = ~accidental[:, :5]
+    assert early.sum() >= 5
+    np.testing.assert_array_equal(base[:, :5][early], stab[:, :5][early])
+    assert np.any(base[:, 5:] != stab[:, 5:])  # rows ≥ 5 have the tied maximum
+
+
+@pytest.mark.parametrize("policy", ["paper", "paper_sr"])
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_stable_floor_after_shift(rng, policy, impl):
+    """Ties in the first key tile, only weak keys after it. Once the shift has made ℓ ≈ 2·e⁻²⁰, the
+    authors' 1e-10 floor on each later tile's tiny sum would add a fake 2.5 % to ℓ per tile (three
+    later tiles here: O shrinks by ~7 %); such rows must not shrink. Measured as O's mean projection
+    on the exact O, whose rounding noise averages out over the 48 × 2 × 32 outputs: |shrink| < 5e-3,
+    a fifth of one tile's fake share."""
+    q, k, v = tied_inputs(rng, (1, 64, 2, 32), score=50.0)
+    k = k.at[:, 16:].set(-k[:, 3:4])  # scores ≈ −50 after the first tile of 16 keys
+    kw = dict(policy=policy, impl=impl, block_q=16, block_k=16)
+    ref = jf.reference_numpy(q, k, v)[:, 16:]
+    stab = f64(jf.attention(q, k, v, stable=True, **kw))[:, 16:]
+    assert np.all(np.isfinite(stab))
+    shrink = np.sum((stab - ref) * ref) / np.sum(ref * ref)
+    assert abs(shrink) < 5e-3, shrink
