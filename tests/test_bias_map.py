@@ -1,5 +1,6 @@
 """The bias map (experiments/bias_map.py) and the stochastic-rounding policies: cells with a known
-answer, the CSV of --quick, and the unbiasedness of the SR rounding helper. Fresh inputs every run."""
+answer, the CSV of --quick, the "paper" ablation and the stable shift's β (the stochastic-rounding
+helper itself: tests/test_rounding.py)."""
 
 import csv
 
@@ -73,7 +74,7 @@ def test_fp32_policy_has_only_the_final_rounding_bias(rng):
     # O as returned = bf16(FP32 O): nothing beyond rounding the exact O once …
     assert abs(row["o_excess_all_t"]) < 5 and abs(row["o_excess_all_mean"]) < 2e-5
     assert row["o_tie_mean"] == pytest.approx(row["round_tie_mean"], rel=0.05)
-    # … and that rounding is the +6e-4 halfway bias of two tied negative V rows (PAPER.md §7).
+    # … and that rounding is the +6e-4 halfway bias of two tied negative V rows.
     assert row["round_tie_mean"] > 2e-4 and row["round_tie_t"] > 8
     # The O kept for δ is FP32: no δ bias to speak of; the accumulator is unbiased.
     assert abs(row["delta_tie_mean"]) < 1e-4
@@ -81,7 +82,7 @@ def test_fp32_policy_has_only_the_final_rounding_bias(rng):
 
 
 def test_paper_bias_needs_ties(rng):
-    """PAPER.md §2: under "paper" numerics Ō (and O) of rows with ≥ 2 tied maxima is rounded away from
+    """Under "paper" numerics Ō (and O) of rows with ≥ 2 tied maxima is rounded away from
     zero (negative for V ~ N(−1.5, 1)). With a unique maximum (ties=1) Ō instead drops the tiny
     remainder (a smaller bias towards zero, which ℓ's rounding cancels in O): the O bias is ≥ 10× smaller."""
     tied, _ = cell(rng, "paper", ties=2)
@@ -124,7 +125,7 @@ def test_quick_csv(tmp_path):
 
 # ------------------------------------------------------------------------ the "paper" ablation
 def test_paper_ablation_cells(rng):
-    """experiments/paper_ablation.py on fresh rows (fewer than its default): the "paper" tie-row bias
+    """experiments/paper_ablation.py on a few rows (fewer than its default): the "paper" tie-row bias
     is there without the shift (t < −20) and mostly gone with it (at most half left); a rounding
     switched off that cannot matter for one key tile (the tile-sum clamp) changes no bit (at 4,096
     rows it once did: XLA had
@@ -151,16 +152,13 @@ def test_paper_ablation_cells(rng):
 
 # ------------------------------------------------------------------------ the stable shift's β
 def test_stable_beta_cells(rng):
-    """experiments/stable_beta.py on fresh rows: with both ties in one key tile the "fa2" tie bias
+    """experiments/stable_beta.py on a few rows: with both ties in one key tile the "fa2" tie bias
     (t > 20) is gone at every β (|t| < 4); with the ties split over two tiles the shift never fires
     and changes nothing; the tie-free rows' bias is the same at every β. ("Nothing" up to the
     compiler: XLA:CPU may fuse the stable program's exp differently, and an FP32 ulp then flips a
-    BF16 rounding — seen at 1 element of 1024 × 64 (JAX_FLASH_SEED=834684990), and moving the tie-free
-    t of −62.70 by 1.4e-4 relative (JAX_FLASH_SEED=503829890, at the code of d1b4500 as well), or the
-    β = 2 tie-free t of −59.96 by 1.2e-3 (JAX_FLASH_SEED=2557286896, at 4346b4c as well: a few flipped
-    BF16 roundings among 65,536 outputs move a t of −60 by ≈ 2e-4 each) — so the cell statistics are
-    compared to 5e-3 relative, not bitwise; the shift firing moves them by far more, see the "one
-    tile" asserts.)"""
+    BF16 rounding; a few flipped BF16 roundings among 65,536 outputs move a t of −60 by ≈ 2e-4 each,
+    so the cell statistics are compared to 5e-3 relative, not bitwise; the shift firing moves them
+    by far more, see the "one tile" asserts.)"""
     from experiments import stable_beta as sb
 
     res = {(r["ties"], r["beta"]): r for r in sb.run(rows=1024, seed=int(rng.integers(1 << 30)),

@@ -18,7 +18,7 @@ from jax_flash import reference_attention
 from models import gpt2 as G
 from train import gpt2 as T
 from train import probes as P
-from test_train import Tokens, micro_cfg
+from helpers import Tokens, micro_cfg
 
 BF16 = jnp.bfloat16
 
