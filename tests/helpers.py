@@ -13,6 +13,7 @@ the exact result, so they are within twice the bound of each other.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -78,10 +79,43 @@ def numerics(q, k, v, **kw):
     return jf.plan(q, k, v, **kw).numerics
 
 
-def run(q, k, v, do, **kw):
-    """(O, dQ, dK, dV) of ``jax_flash.attention``."""
+def run_eager(q, k, v, do, **kw):
+    """(O, dQ, dK, dV) of ``jax_flash.attention``, op by op."""
     o, vjp = jax.vjp(lambda q, k, v: jf.attention(q, k, v, **kw), q, k, v)
     return (o,) + vjp(do)
+
+
+def _frozen(kw):
+    """``kw`` as a hashable key (dicts as sorted items), or None where a value is not hashable."""
+    items = tuple(sorted((n, tuple(sorted(x.items())) if isinstance(x, dict) else x)
+                         for n, x in kw.items()))
+    try:
+        hash(items)
+    except TypeError:
+        return None
+    return items
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn, key):
+    kw = {n: dict(x) if isinstance(x, tuple) and n == "launch" else x for n, x in key}
+    return jax.jit(lambda *a: fn(*a, **kw))
+
+
+def jitted(fn, *args, **kw):
+    """``fn(*args, **kw)`` under one jit per (fn, kw) — the compiled program is reused for every
+    seed of a sweep — or op by op where a keyword is not hashable (a JAX scalar)."""
+    key = _frozen(kw)
+    return fn(*args, **kw) if key is None else _compiled(fn, key)(*args)
+
+
+def run(q, k, v, do, **kw):
+    """(O, dQ, dK, dV) of ``jax_flash.attention`` (compiled once per keyword set)."""
+    return jitted(run_eager, q, k, v, do, **kw)
+
+
+def attention_with_lse(q, k, v, **kw):
+    return jitted(jf.attention_with_lse, q, k, v, **kw)
 
 
 # ------------------------------------------------------------------------------------------- bounds

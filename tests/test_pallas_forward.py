@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, f64, make_qkv, numerics, o_bound, tied_inputs
+from helpers import BF16, attention_with_lse, f64, make_qkv, numerics, o_bound, tied_inputs
 
 
 def lse_bound(terms, lse):
@@ -24,8 +24,8 @@ def compare_forward(assert_close, q, k, v, launch=None, **kw):
     """O and L of the interpreted kernel (with ``launch``) and of the jnp executor, each pair within
     twice the policy's bound of each other (each is within the bound of the exact values)."""
     cfg = numerics(q, k, v, **kw)
-    o_j, l_j = jf.attention_with_lse(q, k, v, impl="jnp", **kw)
-    o_p, l_p = jf.attention_with_lse(q, k, v, impl="pallas", launch=launch, **kw)
+    o_j, l_j = attention_with_lse(q, k, v, impl="jnp", **kw)
+    o_p, l_p = attention_with_lse(q, k, v, impl="pallas", launch=launch, **kw)
     chex.assert_trees_all_equal_shapes_and_dtypes((o_j, l_j), (o_p, l_p))
     bound, terms = o_bound(q, k, v, cfg)
     assert_close(o_p, o_j, 2 * bound, "O")
