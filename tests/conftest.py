@@ -49,6 +49,8 @@ def pytest_collection_modifyitems(config, items):
     if _sweep(config):  # a sweep runs the bound-recording tests only
         keep = [it for it in items if _records_bounds(getattr(it, "fixturenames", ()))]
         config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+        # seed-major: every test at seed 0, then at seed 1, …, so a partial sweep covers every test
+        keep.sort(key=lambda it: getattr(getattr(it, "callspec", None), "params", {}).get("seed", 0))
         items[:] = keep
     for item in items:
         if "gpu" in item.keywords and not on_gpu:

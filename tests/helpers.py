@@ -25,8 +25,11 @@ from jax_flash.policy import MAX_SHIFT_NATS
 
 BF16 = jnp.bfloat16
 U32 = 2.0 ** -24  # unit roundoff of FP32
-SUB = {np.dtype(jnp.bfloat16): 2.0 ** -134, np.dtype(jnp.float16): 2.0 ** -25,
-       np.dtype(jnp.float32): 2.0 ** -150}  # half the smallest subnormal: a rounding's absolute floor
+# a rounding's absolute floor: FP32 and BF16 subnormals are flushed to zero (XLA:CPU, the GPU's fast
+# exp2), so anything below 2⁻¹²⁶ may be lost whole; FP16's subnormals (normal FP32 values) are kept,
+# half their spacing
+TINY = 2.0 ** -126
+SUB = {np.dtype(jnp.bfloat16): TINY, np.dtype(jnp.float16): 2.0 ** -25, np.dtype(jnp.float32): TINY}
 
 
 def u_of(dtype) -> float:
@@ -187,24 +190,34 @@ def o_bound(q, k, v, cfg, *, out_dtype=None):
         delta = delta + 2 * u_lp * (1 + 2 * u_lp) * s_abs
     if pol.round_shifted:  # lp(S − m) before exp
         delta = delta + u_lp * gap
-    e = np.where(mask, np.expm1(delta), 0.0)
-    pe = p * e
+    with np.errstate(over="ignore"):
+        e = np.where(mask, np.expm1(delta), 0.0)
+    # the row's largest scores (bitwise-equal float64 scores: identical keys) carry one and the same
+    # error, a common factor of Ñ and L̃ that cancels in O: the others' errors count relative to it
+    # (each p̃_j = p_j·exp(Δ_j), |Δ_j| ≤ delta_j: relative to the top's, exp(Δ_j − Δ_top))
+    top = mask & (s == r)
+    d_ref = np.where(top, delta, 0.0).max(-1, keepdims=True)
+    with np.errstate(over="ignore"):
+        e_rel = np.where(top | ~mask, 0.0, np.expm1(delta + d_ref))
+    pe = np.where(p > 0, p * e_rel, 0.0)
     lift = np.exp(off)  # p̃ is relative to the shifted max: absolute floors scale with it
     v64 = f64(v)
     vmax = np.abs(v64).max(axis=1, keepdims=True)  # [B, 1, H, D]
     # Ñ only: P̄ cast, tile P̄·V and accumulator roundings, FP32 sums; absolute floors
     a = (u_p + op_round + (sr * u_lp if pol.round_tile_pv else 0.0)
          + (2 * sr * u_lp * n_t if pol.lp_accumulators else 0.0) + (cfg.block_k + 2 * n_t + 2) * U32)
-    abs_num = cfg.kv_len * (SUB[np.dtype(pol.p_dtype)] + (2.0 ** -126 if pol.exp_ftz else 0.0)) * lift
+    abs_num = cfg.kv_len * (SUB[np.dtype(pol.p_dtype)] + TINY) * lift
     # L̃ only: ℓ's roundings, FP32 sums, the tile-sum floor, flushed exps
     b = ((u_lp * n_t * (2.0 if pol.stochastic_row_sum else 1.0) if pol.lp_accumulators else 0.0)
          + (cfg.block_k + 2 * n_t + 2) * U32 + n_t * pol.tile_sum_floor
-         + (cfg.kv_len * 2.0 ** -126 * lift if pol.exp_ftz else 0.0))
+         + cfg.kv_len * TINY * lift)
     to_bqhd = lambda x: x.transpose(0, 2, 1, 3)
     pv = to_bqhd(np.einsum("bhqk,bkhd->bhqd", p, np.abs(v64)))
     o = to_bqhd(np.einsum("bhqk,bkhd->bhqd", p, v64))
     num = to_bqhd(np.einsum("bhqk,bkhd->bhqd", pe, np.abs(v64))) + a * pv + to_bqhd(abs_num) * vmax
     den = to_bqhd(pe.sum(-1, keepdims=True) + b)  # [B, Q, H, 1]
+    # L̃'s relative error (the common factor included): what the backward's recomputed P inherits
+    den_l = to_bqhd(np.where(p > 0, p * e, 0.0).sum(-1, keepdims=True) + b)
     with np.errstate(divide="ignore"):
         pre = np.where(den < 0.5, (num + den * np.abs(o)) / (1 - den), np.inf)
     # final roundings: acc/ℓ (FP32, or lp under lp_accumulators), the stored O (residual dtype),
@@ -215,10 +228,11 @@ def o_bound(q, k, v, cfg, *, out_dtype=None):
         fin += u_of(out_dtype)
     res_bound = pre + (U32 + sr * u_of(res)) * (np.abs(o) + pre) + SUB[res]
     bound = pre + fin * (np.abs(o) + pre) * (1 + fin) + SUB[res] + SUB[out_dtype]
-    return bound, dict(s=s, p=p, abs_s=abs_s, mask=mask, e=e, den=den, o=o, pv=pv, res=res_bound,
+    return bound, dict(s=s, p=p, abs_s=abs_s, mask=mask, e=e, den=den_l, o=o, pv=pv, res=res_bound,
                        op_round=op_round, g_dot=g_dot, gap=gap, n_t=n_t)
 
 
+@np.errstate(invalid="ignore", over="ignore")
 def grad_bounds(q, k, v, do, cfg, *, out_dtype=None):
     """Elementwise bounds on |dQ − dQ_exact|, |dK − dK_exact|, |dV − dV_exact| (δ exact in the
     reference) for ``cfg``'s policy, tiles and δ mode.
@@ -250,11 +264,13 @@ def grad_bounds(q, k, v, do, cfg, *, out_dtype=None):
     if pol.round_scores:
         delta_s = delta_s + 2 * u_of(pol.lp_dtype) * (1 + 2 * u_of(pol.lp_dtype)) * s_abs
     delta_s = delta_s + d_lse + 4 * U32 * (np.abs(np.where(np.isfinite(lse), lse, 0.0)) + 1)
-    e = np.where(mask, np.expm1(delta_s), 0.0)
-    pt = p * (1 + e)  # ≥ |P̃|
+    with np.errstate(over="ignore"):
+        e = np.where(mask & (p > 0), np.expm1(delta_s), 0.0)  # (P = 0 entries stay 0)
+    pt = p * (1 + e) + np.where(mask, TINY, 0.0)  # ≥ |P̃| (a flushed P is off by < 2⁻¹²⁶)
+    tiny_p = np.where(mask, TINY, 0.0)
     # dV_j = Σ_i P̄_ij dO_i: P̃'s error, its cast, dO's operand rounding, FP32 sums
     dv = np.einsum("bhqk,bqhd->bkhd", p, do64)
-    err_dv = (np.einsum("bhqk,bqhd->bkhd", p * e + (u_p + op) * pt, np.abs(do64))
+    err_dv = (np.einsum("bhqk,bqhd->bkhd", p * e + tiny_p + (u_p + op) * pt, np.abs(do64))
               + (tq + 2 * n_q + 2) * U32 * np.einsum("bhqk,bqhd->bkhd", pt, np.abs(do64))
               + tq * sub_p * np.abs(do64).max(1, keepdims=True))
     # dP and δ
@@ -277,8 +293,8 @@ def grad_bounds(q, k, v, do, cfg, *, out_dtype=None):
         d_delta = ((d_dp * pt + np.abs(dp) * p * e).sum(-1, keepdims=True)
                    + (tk + 2 * n_k + 2) * U32 * (pt * (np.abs(dp) + d_dp)).sum(-1, keepdims=True))
     ds = p * (dp - delta)
-    d_ds = (p * e * np.abs(dp - delta) + pt * (d_dp + d_delta)
-            + 2 * U32 * pt * (np.abs(dp - delta) + d_dp + d_delta))
+    d_ds = ((p * e + tiny_p) * np.abs(dp - delta) + pt * (d_dp + d_delta)
+            + 2 * U32 * pt * (np.abs(dp - delta) + d_dp + d_delta) + tiny_p)
     ds_abs = np.abs(ds) + d_ds
     d_ds = np.where(mask, d_ds + u_p * ds_abs + sub_p + op * ds_abs, 0.0)  # the cast of dS
     ds_abs = np.where(mask, ds_abs + d_ds, 0.0)
@@ -288,7 +304,10 @@ def grad_bounds(q, k, v, do, cfg, *, out_dtype=None):
     dk = sc * np.einsum("bhqk,bqhd->bkhd", ds, q64)
     err_dk = sc * (np.einsum("bhqk,bqhd->bkhd", d_ds, np.abs(q64))
                    + (tq + 2 * n_q + 4) * U32 * np.einsum("bhqk,bqhd->bkhd", ds_abs, np.abs(q64)))
-    fin = lambda g, err: err + (u_out + U32) * (np.abs(g) + err) * (1 + u_out) + sub_out
+    def fin(g, err):  # the cast to the output dtype; NaN (inf·0 where a bound is vacuous) is inf
+        err = err + (u_out + U32) * (np.abs(g) + err) * (1 + u_out) + sub_out
+        return np.where(np.isnan(err), np.inf, err)
+
     return fin(dq, err_dq), fin(dk, err_dk), fin(dv, err_dv)
 
 

@@ -53,9 +53,12 @@ LAUNCH_ALL = [(p, c, t, launch) for p in ("fa2", "paper", "fp32") for c in (True
                              {"prefetch_rows": True, "bwd_block": 2 * max(t)})]
 
 
-@pytest.mark.parametrize("policy,causal,tiles,launch", LAUNCH_FAST + [
-    pytest.param(*c, marks=pytest.mark.slow) for c in LAUNCH_ALL if c not in LAUNCH_FAST])
-@pytest.mark.parametrize("delta", ["o", "dpp"])
+CASES_FAST = [(*c, "o") for c in LAUNCH_FAST] + [(*LAUNCH_FAST[i], "dpp") for i in (1, 2, 7)]
+CASES_ALL = [(*c, d) for c in LAUNCH_FAST + LAUNCH_ALL for d in ("o", "dpp")]
+
+
+@pytest.mark.parametrize("policy,causal,tiles,launch,delta", CASES_FAST + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in CASES_ALL if c not in CASES_FAST])
 def test_launch_changes_no_gradient(rng, assert_close, policy, causal, tiles, launch, delta):
     """Resident blocks (dK/dV programs keeping ``bwd_block`` keys, dQ programs ``dq_block`` queries,
     over the same streamed tiles), mask-free loops and the prefetched L, δ rows: on tied rows under

@@ -33,9 +33,15 @@ def compare_forward(assert_close, q, k, v, launch=None, **kw):
     print(f"bitwise: O {np.mean(f64(o_p) == f64(o_j)):.4f}, L {np.mean(f64(l_p) == f64(l_j)):.4f}")
 
 
-@pytest.mark.parametrize("dtype", [BF16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("policy", ["fa2", "paper", "fp32", "paper_fp32acc"])
-@pytest.mark.parametrize("stable", [False, True])
+EXECUTOR_FAST = [(BF16, p, st) for p in ("fa2", "paper", "fp32", "paper_fp32acc") for st in (False, True)] + [
+    (jnp.float16, "fa2", True), (jnp.float16, "paper", True), (jnp.float32, "fa2", True),
+    (jnp.float32, "fp32", True)]
+EXECUTOR_ALL = [(d, p, st) for d in (BF16, jnp.float16, jnp.float32)
+                for p in ("fa2", "paper", "fp32", "paper_fp32acc") for st in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,policy,stable", EXECUTOR_FAST + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in EXECUTOR_ALL if c not in EXECUTOR_FAST])
 def test_kernel_matches_jnp_executor(rng, assert_close, dtype, policy, stable):
     q, k, v = tied_inputs(rng, (1, 50, 2, 32), dtype)
     compare_forward(assert_close, q, k, v, policy=policy, stable=stable, block_q=16, block_k=16)
