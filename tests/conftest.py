@@ -8,7 +8,9 @@ a fraction of its bound (a ratio above 1 is a failure).
 """
 
 import collections
+import json
 import os
+import sys
 
 import chex
 import jax
@@ -25,7 +27,10 @@ def pytest_addoption(parser):
                      help="run every bound-recording test over seeds 0..N-1 and print the worst "
                           "error / bound per test")
     parser.addoption("--sweep-out", default=None, metavar="FILE",
-                     help="with --sweep-seeds: also write the table as Markdown to FILE")
+                     help="with --sweep-seeds: also write the table as Markdown to FILE (and each "
+                          "ratio as it is recorded to FILE.jsonl)")
+    parser.addoption("--sweep-start", type=int, default=0, metavar="S",
+                     help="with --sweep-seeds N: seeds S..S+N-1")
 
 
 def _sweep(config) -> int:
@@ -39,7 +44,8 @@ def _records_bounds(fixturenames) -> bool:
 def pytest_generate_tests(metafunc):
     n = _sweep(metafunc.config)
     if n and "seed" in metafunc.fixturenames and _records_bounds(metafunc.fixturenames):
-        metafunc.parametrize("seed", range(n), ids=lambda s: f"seed{s}")
+        start = metafunc.config.getoption("--sweep-start")
+        metafunc.parametrize("seed", range(start, start + n), ids=lambda s: f"seed{s}")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -97,6 +103,10 @@ def record_bound(request, seed):
         if np.isnan(err).any():
             worst = float("inf")
         _RATIOS[name, what].append((seed, worst))
+        out = request.config.getoption("--sweep-out", default=None)
+        if out and _sweep(request.config):  # kept as it comes: a crashed sweep keeps its seeds
+            with open(out + ".jsonl", "a") as f:
+                f.write(json.dumps([name, what, seed, worst]) + "\n")
         bad = ~(err <= bound)
         assert not bad.any(), (f"{what}: {int(bad.sum())} of {err.size} beyond the bound, worst "
                                f"error/bound {worst:.3g} (seed {seed})")
@@ -124,17 +134,23 @@ def assert_close(record_bound):
     return check
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _sweep(config) or not _RATIOS:
-        return
+def sweep_table(ratios) -> list[str]:
+    """Markdown rows: per (test, quantity), the seeds run, the worst error / bound and its seed, and
+    how many seeds exceeded the bound."""
     rows = []
-    for (test, what), seen in sorted(_RATIOS.items()):
+    for (test, what), seen in sorted(ratios.items()):
         worst_seed, worst = max(seen, key=lambda x: x[1])
-        over = sum(r > 1 for _, r in seen)
+        over = len({s for s, r in seen if r > 1})
         rows.append((test, what, len({s for s, _ in seen}), worst, worst_seed, over))
     lines = ["| test | quantity | seeds | worst error / bound | at seed | seeds over |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| `{t}` | {w or '–'} | {n} | {r:.3g} | {s} | {o} |" for t, w, n, r, s, o in rows]
+    return lines + [f"| `{t}` | {w or '–'} | {n} | {r:.3g} | {s} | {o} |" for t, w, n, r, s, o in rows]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _sweep(config) or not _RATIOS:
+        return
+    lines = sweep_table(_RATIOS)
     terminalreporter.write_sep("=", f"seed sweep: {_sweep(config)} seeds")
     for line in lines:
         terminalreporter.write_line(line)
@@ -142,3 +158,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if out:
         with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":  # python tests/conftest.py FILE.jsonl …: the table of (partial) sweeps
+    ratios = collections.defaultdict(list)
+    for path in sys.argv[1:]:
+        for line in open(path):
+            test, what, seed, worst = json.loads(line)
+            ratios[test, what].append((seed, worst))
+    print("\n".join(sweep_table(ratios)))

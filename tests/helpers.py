@@ -13,7 +13,6 @@ the exact result, so they are within twice the bound of each other.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -88,28 +87,25 @@ def run_eager(q, k, v, do, **kw):
     return (o,) + vjp(do)
 
 
-def _frozen(kw):
-    """``kw`` as a hashable key (dicts as sorted items), or None where a value is not hashable."""
-    items = tuple(sorted((n, tuple(sorted(x.items())) if isinstance(x, dict) else x)
-                         for n, x in kw.items()))
-    try:
-        hash(items)
-    except TypeError:
-        return None
-    return items
+def _frozen(x):
+    """A hashable stand-in for a keyword value (dicts as sorted items, 0-d arrays by type and value)."""
+    if isinstance(x, dict):
+        return tuple(sorted((n, _frozen(y)) for n, y in x.items()))
+    if hasattr(x, "shape") and np.shape(x) == () and not isinstance(x, (bool, np.bool_)):
+        return (type(x).__name__, np.asarray(x).dtype.name, float(x))
+    return x
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(fn, key):
-    kw = {n: dict(x) if isinstance(x, tuple) and n == "launch" else x for n, x in key}
-    return jax.jit(lambda *a: fn(*a, **kw))
+_COMPILED = {}
 
 
 def jitted(fn, *args, **kw):
-    """``fn(*args, **kw)`` under one jit per (fn, kw) — the compiled program is reused for every
-    seed of a sweep — or op by op where a keyword is not hashable (a JAX scalar)."""
-    key = _frozen(kw)
-    return fn(*args, **kw) if key is None else _compiled(fn, key)(*args)
+    """``fn(*args, **kw)`` under one jit per (fn, keywords): the compiled program is reused for every
+    seed of a sweep (the keywords are static; a JAX scalar among them is passed as it is)."""
+    key = (fn, tuple(sorted((n, _frozen(x)) for n, x in kw.items())))
+    if key not in _COMPILED:
+        _COMPILED[key] = jax.jit(lambda *a: fn(*a, **kw))
+    return _COMPILED[key](*args)
 
 
 def run(q, k, v, do, **kw):
