@@ -160,10 +160,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f.write("\n".join(lines) + "\n")
 
 
-if __name__ == "__main__":  # python tests/conftest.py FILE.jsonl …: the table of (partial) sweeps
+if __name__ == "__main__":
+    # python tests/conftest.py [--per-test] FILE.jsonl …: the table of one or more (partial) sweeps;
+    # --per-test: one row per test, its worst quantity
+    per_test = "--per-test" in sys.argv
     ratios = collections.defaultdict(list)
-    for path in sys.argv[1:]:
+    for path in (a for a in sys.argv[1:] if a != "--per-test"):
         for line in open(path):
             test, what, seed, worst = json.loads(line)
             ratios[test, what].append((seed, worst))
+    if per_test:
+        worst_what = {}
+        for (test, what), seen in ratios.items():
+            r = max(x for _, x in seen)
+            if test not in worst_what or r > worst_what[test][1]:
+                worst_what[test] = (what, r)
+        ratios = {(t, f"{w} (worst of its quantities)" if sum(1 for k in ratios if k[0] == t) > 1
+                   else w): ratios[t, w] for t, (w, _) in worst_what.items()}
     print("\n".join(sweep_table(ratios)))

@@ -52,9 +52,9 @@ def test_policy_matches_float64_reference(rng, assert_close, policy, stable, imp
                             causal=causal, block_q=16, block_k=16)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("delta", ["o", "o_hp", "dpp"])
-@pytest.mark.parametrize("policy", ["fp32", "fp32_bf16x6"])
+@pytest.mark.parametrize("policy,delta,impl", [
+    (p, d, i) if p == "fp32" or (d == "o" and i == "pallas") else pytest.param(p, d, i, marks=pytest.mark.slow)
+    for p in ("fp32", "fp32_bf16x6") for d in ("o", "o_hp", "dpp") for i in IMPLS])
 def test_fp32_inputs_under_fp32_policies(rng, assert_close, impl, delta, policy):
     q, k, v, do = make_qkv(rng, (1, 45, 2, 32), jnp.float32, n=4)
     check_against_reference(assert_close, q, k, v, do, policy=policy, impl=impl, delta=delta,
@@ -141,7 +141,8 @@ class JitTest(chex.TestCase):
             chex.assert_type(out, BF16)
 
 
-def test_grad_of_vmap_equals_per_element(rng):
+@pytest.mark.parametrize("impl", ["pallas", pytest.param("jnp", marks=pytest.mark.slow)])
+def test_grad_of_vmap_equals_per_element(rng, impl):
     """jit(vmap(grad)) over a leading axis: each slice's gradients are the single call's, within
     twice the gradient bound (each is within it of the exact gradient; the compiled program may
     fuse and block FP32 sums otherwise than the op-by-op one)."""
@@ -151,20 +152,19 @@ def test_grad_of_vmap_equals_per_element(rng):
     def loss(q, k, v, impl):
         return jnp.sum(jf.attention(q, k, v, impl=impl, **kw).astype(jnp.float32) ** 2)
 
-    for impl in IMPLS:
-        g = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, 0, 0, None)),
-                    static_argnums=3)(q, k, v, impl)
-        chex.assert_trees_all_equal_shapes_and_dtypes(g, (q, k, v))
-        for i in range(q.shape[0]):
-            g_one = jax.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i], impl)
-            # dO = 2·O: both calls see the same dO, so the exact-δ bound covers each
-            do = 2 * jf.attention(q[i], k[i], v[i], impl=impl, **kw).astype(jnp.float32)
-            cfg = numerics(q[i], k[i], v[i], impl=impl, **kw)
-            for a, b, bd in zip(g, g_one, grad_bounds(q[i], k[i], v[i], do, cfg)):
-                chex.assert_trees_all_close(f64(a[i]) / bd, f64(b) / bd, rtol=0, atol=2.0)
+    g = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, 0, 0, None)),
+                static_argnums=3)(q, k, v, impl)
+    chex.assert_trees_all_equal_shapes_and_dtypes(g, (q, k, v))
+    for i in range(q.shape[0]):
+        g_one = jax.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i], impl)
+        # dO = 2·O: both calls see the same dO, so the exact-δ bound covers each
+        do = 2 * jf.attention(q[i], k[i], v[i], impl=impl, **kw).astype(jnp.float32)
+        cfg = numerics(q[i], k[i], v[i], impl=impl, **kw)
+        for a, b, bd in zip(g, g_one, grad_bounds(q[i], k[i], v[i], do, cfg)):
+            chex.assert_trees_all_close(f64(a[i]) / bd, f64(b) / bd, rtol=0, atol=2.0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["pallas", pytest.param("jnp", marks=pytest.mark.slow)])
 def test_nan_stays_in_its_rows(rng, impl):
     """A NaN in one key of one (batch, head): exactly the rows that attend to it are NaN — rows
     before it (causal), other heads and other batch elements stay finite, gradients too."""

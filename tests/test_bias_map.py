@@ -124,6 +124,7 @@ def test_quick_csv(tmp_path):
 
 
 # ------------------------------------------------------------------------ the "paper" ablation
+@pytest.mark.slow  # (the ablation's cells: 20 seconds)
 def test_paper_ablation_cells(rng):
     """experiments/paper_ablation.py on a few rows (fewer than its default): the "paper" tie-row bias
     is there without the shift (t < −20) and mostly gone with it (at most half left); a rounding

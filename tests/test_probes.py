@@ -201,6 +201,7 @@ def _planted_model():
     return G.GPT(cfg, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow  # (a 20-second training-probe run; the other probe tests cover the parts)
 def test_cotangent_and_planted_delta_error(rng):
     with jax.default_matmul_precision("highest"):  # FP32 model: no TF32 on GPU
         _check_cotangent_and_planted_delta_error(rng)
