@@ -30,7 +30,7 @@ def test_signed_error_stats():
 
 @pytest.mark.parametrize("impl", ["jnp", "pallas"])
 @pytest.mark.parametrize("delta", ["o", "dpp"])
-def test_stored_o_and_delta(rng, impl, delta):
+def test_stored_o_and_delta(rng, assert_close, impl, delta):
     """The O the backward keeps (the policy's residual dtype) is attention's own; δ for "o" is the
     FP32 rowsum(dO∘O_stored) bitwise, "dpp" the same quantity within FP32 sums of the absolute
     terms ((T + d + 4)·2⁻²⁴·Σ|dO||O|-sized, plus O's BF16 storage: u·Σ|dO||O|)."""
@@ -47,4 +47,4 @@ def test_stored_o_and_delta(rng, impl, delta):
     else:
         size = np.einsum("bthd,bthd->bht", np.abs(f64(do)), np.abs(f64(o_st)))
         bound = ((24 + 32 + 4) * 2.0 ** -24 + 2.0 ** -8) * size * 2
-        chex.assert_trees_all_close(f64(dlt) / bound, rowsum / bound, rtol=0, atol=1.0)
+        assert_close(dlt, rowsum, bound, "δ")

@@ -320,7 +320,7 @@ def test_scale_late_changes_only_last_bits(rng, assert_close, stable):
     assert_close(o_late, jf.reference_numpy(q, k, v), bound, "O vs float64")
 
 
-def test_bf16x6_dot_is_fp32_accurate_and_not_one_bf16_product(rng):
+def test_bf16x6_dot_is_fp32_accurate_and_not_one_bf16_product(rng, assert_close):
     """``fp32_bf16x6``'s dots (three BF16 pieces per operand, six products) are within an FP32 dot's
     error bound (d + 12)·2⁻²⁴·Σ|a||b| of float64 — which one BF16 product (2⁻⁸ relative per operand)
     is not, so the split is really used. Operands spread over 2⁻²⁰ … 2²⁰ so that no piece can be
@@ -332,8 +332,7 @@ def test_bf16x6_dot_is_fp32_accurate_and_not_one_bf16_product(rng):
     ref, size = a @ b.T, np.abs(a) @ np.abs(b).T
     bound = (96 + 12) * 2.0 ** -24 * size
     for name in ("fp32", "fp32_bf16x6"):
-        out = f64(tile.dot_nt(a32, b32, jf.make_policy(name, jnp.float32)))
-        chex.assert_trees_all_close(out / bound, ref / bound, rtol=0, atol=1.0)
+        assert_close(tile.dot_nt(a32, b32, jf.make_policy(name, jnp.float32)), ref, bound, name)
     one = f64(jnp.dot(a32.astype(BF16), b32.astype(BF16).T, preferred_element_type=jnp.float32))
     assert np.any(np.abs(one - ref) > bound)
     hi, mid, lo = tile.split_bf16x3(a32)
