@@ -214,7 +214,7 @@ def test_guarded_shift_keeps_o_unbiased(rng, record_bound):
                    block_k=64)
         mean, t, mean_abs = diagnostics.signed_error_stats(np.asarray(o, np.float64) - exact)
         # |t| < 6: an unbiased O exceeds it with probability ~2e-9
-        record_bound(abs(t), 6.0, f"|t| beta={beta}")
+        record_bound(abs(t), 6.0, f"t-statistic, beta={beta}")
         assert abs(mean) < 2e-4, (beta, mean, t, mean_abs)
 
 
@@ -272,7 +272,7 @@ def test_rounding_bias_on_tied_rows(rng, record_bound):
     assert abs(stats["paper", True][0]) < abs(stats["paper", False][0]) / 2.5
     assert stats["fa2", False][1] > 10
     assert stats["fa2", False][0] == pytest.approx(stats["round"][0], rel=0.2)
-    record_bound(abs(stats["fa2", True][1]), 6.0, "|t| fa2 stable")
+    record_bound(abs(stats["fa2", True][1]), 6.0, "t-statistic, fa2 stable")
     assert abs(stats["fa2", True][0]) < stats["fa2", False][0] / 3
 
 
