@@ -68,3 +68,15 @@ nanogpt:
 
 clean:
 	rm -rf $(VENV) $(VENV11) .pytest_cache
+
+# Every test that records a tolerance, over seeds 0 … SEEDS−1 in one process: prints per test the worst
+# error as a fraction of its bound, and writes it to out/ (docs/TESTING.md); the Mosaic interpreter
+# tests too where jax 0.11 runs.
+SEEDS ?= 100
+.PHONY: test-sweep
+test-sweep: $(STAMP)
+	mkdir -p out
+	nice $(PY) -m pytest -q -p no:cacheprovider --sweep-seeds $(SEEDS) --sweep-out out/sweep-seeds.md tests
+	@if [ -n "$(PY312)" ]; then $(MAKE) --no-print-directory $(STAMP11) && nice $(VENV11)/bin/python -m pytest -q \
+	  -p no:cacheprovider --sweep-seeds $(SEEDS) --sweep-out out/sweep-seeds-mosaic.md \
+	  tests/test_forward_mosaic.py tests/test_backward_mosaic.py; fi

@@ -18,7 +18,7 @@ from jax_flash import reference_attention
 from models import gpt2 as G
 from train import gpt2 as T
 from train import probes as P
-from test_train import Tokens, micro_cfg
+from helpers import Tokens, micro_cfg
 
 BF16 = jnp.bfloat16
 
@@ -201,6 +201,7 @@ def _planted_model():
     return G.GPT(cfg, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow  # (a 20-second training-probe run; the other probe tests cover the parts)
 def test_cotangent_and_planted_delta_error(rng):
     with jax.default_matmul_precision("highest"):  # FP32 model: no TF32 on GPU
         _check_cotangent_and_planted_delta_error(rng)

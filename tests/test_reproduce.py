@@ -6,7 +6,7 @@ import json
 import numpy as np
 
 from experiments import reproduce as R
-from test_train import Tokens
+from helpers import Tokens
 
 MICRO = ["model.vocab_size=512", "model.n_layer=2", "model.n_head=4", "model.n_embd=64",
          "model.block_size=32", "data.batch_size=4", "optim.warmup_steps=2", "data.eval_batches=1"]

@@ -11,7 +11,7 @@ from flax import nnx
 import jax_flash as jf
 from experiments.gpu import torch_compare as TC
 from models import gpt2 as G
-from test_train import micro_cfg
+from helpers import micro_cfg
 
 
 def _four(rng, shape):

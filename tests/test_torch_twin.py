@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from experiments import reproduce as R  # noqa: E402
 from experiments.gpu import torch_train as TT  # noqa: E402
-from test_train import Tokens  # noqa: E402
+from helpers import Tokens  # noqa: E402
 
 MODEL = {"vocab_size": 512, "n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32}
 

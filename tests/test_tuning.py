@@ -1,0 +1,60 @@
+"""jax_flash/pallas/tuning.py: the shipped table holds launch fields only, a table with a numerics
+field does not load, and entries apply on the architecture they were measured on."""
+
+import json
+
+import jax
+import pytest
+
+import jax_flash as jf
+from jax_flash.pallas import tuning
+
+
+def test_shipped_table_loads_with_launch_fields_only():
+    table = tuning.load()
+    assert table, "the package ships tuning.json"
+    for key, (arch, launch) in table.items():
+        assert isinstance(launch, jf.Launch) and arch and arch.startswith("sm_"), key
+        policy, d, t, mask = key.split("/")
+        assert d.startswith("d") and t.startswith("t") and mask in ("causal", "full")
+    raw = json.loads(tuning.TABLE_PATH.read_text())
+    names = {f for entry in raw.values() for f in entry} - set(tuning.META_FIELDS)
+    assert names <= set(jf.Launch.__dataclass_fields__), names
+
+
+@pytest.mark.parametrize("field,value", [("block_k", 128), ("block_q", 64), ("scale_late", True),
+                                         ("exp2_ftz", True), ("shift_factor", True)])
+def test_table_with_a_numerics_field_does_not_load(tmp_path, field, value):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"fa2/d64/t1024/causal": {"arch": "sm_90", "prefetch_rows": True,
+                                                         field: value}}))
+    with pytest.raises(ValueError, match=f"entry 'fa2/d64/t1024/causal': not launch fields: \\['{field}'\\]"):
+        tuning.load(path)
+
+
+def test_missing_table_is_empty(tmp_path):
+    assert tuning.load(tmp_path / "none.json") == {}
+
+
+def test_key_buckets_sequence_lengths():
+    assert tuning.key("fa2", 64, 1000, True) == "fa2/d64/t1024/causal"
+    assert tuning.key("fa2", 64, 1024, False) == "fa2/d64/t1024/full"
+    assert tuning.key("paper", 128, 3, True) == "paper/d128/t512/causal"  # smallest bucket
+    assert tuning.key("fa2", 128, 10 ** 6, True) == "fa2/d128/t16384/causal"  # largest
+
+
+def test_lookup_applies_on_the_measured_architecture_only(monkeypatch):
+    monkeypatch.setattr(tuning, "_table", lambda: {
+        "fa2/d64/t1024/causal": ("sm_90", jf.Launch(prefetch_rows=True)),
+        "fa2/d64/t2048/causal": (None, jf.Launch(split_diagonal=True))})
+    monkeypatch.setattr(tuning, "device_arch", lambda: "sm_90")
+    assert tuning.lookup("fa2", 64, 1000, True) == jf.Launch(prefetch_rows=True)
+    assert tuning.lookup("fa2", 64, 2000, True) == jf.Launch(split_diagonal=True)  # no arch: any
+    assert tuning.lookup("fa2", 64, 1000, False) == jf.Launch()  # no entry
+    monkeypatch.setattr(tuning, "device_arch", lambda: "sm_80")
+    assert tuning.lookup("fa2", 64, 1000, True) == jf.Launch()
+
+
+def test_device_arch_is_none_off_gpus():
+    if jax.default_backend() != "gpu":
+        assert tuning.device_arch() is None
