@@ -26,14 +26,14 @@ test: $(STAMP)
 
 $(STAMP11):
 	test -x $(VENV11)/bin/python || $(PY312) -m venv $(VENV11)
-	$(VENV11)/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" numpy pytest
+	$(VENV11)/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" numpy pytest chex
 	touch $(STAMP11)
 
-# tests/test_forward_mosaic.py (and the factor form, tests/test_shift_factor.py) under jax 0.11.2:
-# the whole kernel interpreted, races checked
+# The Mosaic GPU kernels under jax 0.11.2: the whole kernel interpreted, races checked; and the
+# lab's op counter of the Mosaic forward (it lowers for CUDA on a CPU from jax 0.11 on)
 test-mosaic: $(STAMP11)
 	$(VENV11)/bin/python -m pytest -q tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
-	  tests/test_shift_factor.py
+	  lab/tests/test_mosaic_ops.py
 
 # Every test, slow ones included.
 test-all: $(STAMP)
