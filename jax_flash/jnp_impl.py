@@ -6,8 +6,9 @@ query heads of a key/value head and their query blocks along one axis, head-majo
 ``[B, Hkv, nk, bk, D]``. The per-tile functions of ``tile.py`` run under ``vmap`` over (batch,
 key/value head, block) and a ``fori_loop`` walks the other block axis in the same order as the
 kernels. Key/value tiles are broadcast to the query blocks of their group, never repeated in memory.
-Tiles that the masks cover entirely are visited too: with every entry masked a step is an exact no-op
-(α = 1, P̄ = 0), so the bits equal those of the kernels, which skip them.
+Tiles that the masks cover entirely are visited too, and rows (keys, in the dK/dV pass) that see
+nothing in a tile keep their state, which is what the kernels compute by skipping such tiles: the
+same bits for finite inputs, and a non-finite value stays out of rows that never see it.
 
 Every vmapped argument carries all three batch axes (shared tiles are broadcast, not left unbatched):
 vmapping a dot over an unbatched operand would merge the blocks into one larger matmul, for which
@@ -125,6 +126,15 @@ def _extras(ex: Extras | None, cfg: Numerics, bsz, h, tp, sp):
     return lengths, mask, bias
 
 
+def _seen_only(new, old, mask):
+    """Rows of a tile that see no key (or, transposed, keys no query sees) keep their state. With
+    every entry masked a step adds exact zeros — but 0·∞ is NaN, so a non-finite value in a masked
+    tile would reach rows that never see it; the kernels skip such tiles."""
+    seen = jnp.any(mask, axis=1)
+    keep = lambda n, o: jnp.where(seen.reshape(seen.shape + (1,) * (n.ndim - 1)), n, o)
+    return jax.tree.map(keep, new, old)
+
+
 def _step_mask(cfg, bq, bk, q_start, k_start, lens, dense, transposed=False):
     mask = tile.tile_mask(q_start, k_start, bq, bk, cfg, transposed=transposed, lengths=lens)
     return mask if dense is None else mask & dense
@@ -152,7 +162,7 @@ def forward(q, k, v, cfg: Numerics, ex: Extras | None = None):
 
     def step(carry, q_i, k_j, v_j, q_start, k_start, lens, m, b):
         mask = _step_mask(cfg, bq, bk, q_start, k_start, lens, m)
-        return tile.forward_tile(carry, q_i, k_j, v_j, mask, cfg, bias=b)
+        return _seen_only(tile.forward_tile(carry, q_i, k_j, v_j, mask, cfg, bias=b), carry, mask)
 
     step = _over_tiles(step)
 
@@ -182,7 +192,8 @@ def delta(q, k, v, o, do, lse, cfg: Numerics, ex: Extras | None = None):
 
     def step(acc, q_i, do_i, l_i, k_j, v_j, q_start, k_start, lens, m, b):
         mask = _step_mask(cfg, bq, bk, q_start, k_start, lens, m)
-        return tile.delta_tile(acc, q_i, k_j, v_j, do_i, l_i, mask, cfg, bias=b)
+        return _seen_only(tile.delta_tile(acc, q_i, k_j, v_j, do_i, l_i, mask, cfg, bias=b), acc,
+                          mask)
 
     step = _over_tiles(step)
 
@@ -225,7 +236,8 @@ def backward_with_ds(q, k, v, do, lse, dlt, cfg: Numerics, out_dtype=jnp.float32
 
     def kv_step(acc, k_j, v_j, k_start, lens, q_i, do_i, l_i, d_i, q_start, m, b):
         mask = _step_mask(cfg, bq, bk, q_start, k_start, lens, m, transposed=True)
-        return tile.backward_tile_dkdv(*acc, q_i, k_j, v_j, do_i, l_i, d_i, mask, cfg, bias_t=b)
+        new = tile.backward_tile_dkdv(*acc, q_i, k_j, v_j, do_i, l_i, d_i, mask, cfg, bias_t=b)
+        return _seen_only(new, acc, mask)
 
     kv_step = _over_tiles(kv_step)
 
@@ -243,8 +255,9 @@ def backward_with_ds(q, k, v, do, lse, dlt, cfg: Numerics, out_dtype=jnp.float32
 
     def q_step(acc, q_i, do_i, l_i, d_i, q_start, lens, k_j, v_j, k_start, m, b):
         mask = _step_mask(cfg, bq, bk, q_start, k_start, lens, m)
-        return tile.backward_tile_dq(acc, q_i, k_j, v_j, do_i, l_i, d_i, mask, cfg, bias=b,
-                                     with_ds=cfg.bias)
+        out = tile.backward_tile_dq(acc, q_i, k_j, v_j, do_i, l_i, d_i, mask, cfg, bias=b,
+                                    with_ds=cfg.bias)
+        return (_seen_only(out[0], acc, mask), out[1]) if cfg.bias else _seen_only(out, acc, mask)
 
     q_step = _over_tiles(q_step)
 

@@ -66,6 +66,14 @@ LOG2E = math.log2(math.e)
 # underflows or gets clamped (and the clamp is skipped on the later tiles of a shifted row:
 # tile.forward_tile). Below it the shift is exactly the paper's (β·r_m or 0).
 MAX_SHIFT_NATS = 20.0
+# With a float16 P̄ the tied entries must stay above FP16's smallest normal (2⁻¹⁴ = e^-9.7): its
+# guard folds into [4, 8) nats instead.
+MAX_SHIFT_NATS_FP16 = 8.0
+
+
+def max_shift_nats(p_dtype) -> float:
+    """The stable shift's largest offset above the row max, in nats, for P̄ stored as ``p_dtype``."""
+    return MAX_SHIFT_NATS_FP16 if np.dtype(p_dtype) == np.dtype(np.float16) else MAX_SHIFT_NATS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .policy import LOG2E, MAX_SHIFT_NATS, Policy
+from .policy import LOG2E, Policy, max_shift_nats
 
 # Key and query tiles per policy: the key tile is the online softmax's (where rows rescale and where
 # the stable shift counts ties); the query tile is the block over which the backward sums dK and dV.
@@ -95,7 +95,7 @@ class Numerics:
 
     @property
     def max_shift(self) -> float:
-        return MAX_SHIFT_NATS * (LOG2E if self.policy.log2_units else 1.0)
+        return max_shift_nats(self.policy.p_dtype) * (LOG2E if self.policy.log2_units else 1.0)
 
 
 FWD_KERNELS = ("triton", "mosaic")

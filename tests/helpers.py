@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash as jf
-from jax_flash.policy import MAX_SHIFT_NATS
+from jax_flash.policy import max_shift_nats
 
 BF16 = jnp.bfloat16
 U32 = 2.0 ** -24  # unit roundoff of FP32
@@ -170,11 +170,12 @@ def o_bound(q, k, v, cfg, *, out_dtype=None):
     # operands coarser than the inputs ("paper" on FP32 inputs) are rounded once more
     op_round = u_of(pol.operand_dtype) if np.dtype(pol.operand_dtype).itemsize < in_dtype.itemsize else 0.0
     g_dot = (d + 12) * U32  # an FP32 dot of d terms (any order; "bf16x6": six partial dots)
-    # the shift of a stable row: up to (β − 1)·r_m (r_m > 0) and at most MAX_SHIFT_NATS after the
+    # the shift of a stable row: up to (β − 1)·r_m (r_m > 0) and at most the guard's cap after the
     # fold; negative maxima shift by up to the cap as well; "paper" also rounds the shifted max
     if cfg.stable:
+        cap = max_shift_nats(pol.p_dtype)
         rr = np.where(np.isfinite(r), r, 0.0)
-        off = np.where(rr > 0, np.minimum((cfg.beta - 1) * rr, MAX_SHIFT_NATS), MAX_SHIFT_NATS)
+        off = np.where(rr > 0, np.minimum((cfg.beta - 1) * rr, cap), cap)
         off = np.where(_may_shift(s, mask, cfg, u_lp), off * (1 + 2 * u_lp) + 2 * u_lp * cfg.beta * np.abs(rr), 0.0)
     else:
         off = np.zeros_like(r)

@@ -46,12 +46,17 @@ def test_delta_error_enters_as_minus_eps_times_mean_score(rng):
     np.testing.assert_allclose(parts["own"], np.sum(ds * s, axis=1), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("policy,stable,delta", [("fa2", False, "o"), ("fa2", True, "dpp"),
-                                                 ("paper", True, "o")])
-def test_backward_runner_is_jax_flash_gradient(rng, record_bound, policy, stable, delta):
+@pytest.mark.parametrize("arm", ["fa2", "fa2-stable-dpp", "paper-stable"])
+def test_backward_runner_is_jax_flash_gradient(rng, record_bound, monkeypatch, arm):
     """The single-row loop computes jax_flash.attention's dQ (and the kernel's δ agrees with its O)."""
+    from experiments import arms
+
+    # one arm beyond the registry's: both fixes at once
+    monkeypatch.setitem(arms.ARMS, "fa2-stable-dpp", arms.ARMS["fa2-stable"] + ("attention.delta=dpp",))
+    kw = arms.attention_kwargs(arm)
+    policy, stable, delta = kw["policy"], kw.get("stable", False), kw.get("delta", "o")
     q, k, v, do = problems(rng, n=16, kv_len=128)
-    cfg = wc.arm_config(policy, stable, delta, kv_len=128)
+    cfg = wc.arm_config(arm, kv_len=128)
     dq_run, _ = wc.backward_runner(cfg)(*(jnp.asarray(x, BF16) for x in (q, k, v, do)))
     f = lambda q_: jf.attention(q_, jnp.asarray(k, BF16)[:, :, None], jnp.asarray(v, BF16)[:, :, None],
                                 causal=False, policy=policy, stable=stable, delta=delta, impl="jnp")
@@ -81,7 +86,7 @@ def test_run_separates_delta_fixes_from_the_baseline(rng, monkeypatch):
     """Two arms, one cell: the baseline's tied rows carry a W_Q-gradient error through δ (t ≫ 2 with
     tiny remainders), δ = dpp's δ part is ~0 (orders of magnitude smaller), and the CSV/markdown rows
     come out complete."""
-    monkeypatch.setattr(wc, "ARMS", (("fa2", "fa2", False, "o"), ("fa2 + δ=dpp", "fa2", False, "dpp")))
+    monkeypatch.setattr(wc, "ARMS", ("fa2", "fa2-dpp"))
     monkeypatch.setattr(wc, "CASES", [(13.0, (6.0, 10.0), "V's sign")])
     res = wc.run(rows=256, seed=int(rng.integers(1 << 31)), progress=False)
     base, dpp = res

@@ -44,7 +44,8 @@ def kv_loop(i, cfg: Numerics, nk: int, body, init, split_diagonal: bool = False,
     lo, full_lo, full_hi, hi = tile.kv_tile_bounds(i * bq, bq, bk, nk, cfg, lengths)
     if not split_diagonal:
         return lax.fori_loop(lo, hi, masked, init)
-    carry = lax.fori_loop(lo, full_lo, masked, init)
+    # only a window's left edge has masked tiles before the unmasked ones: no loop for it otherwise
+    carry = lax.fori_loop(lo, full_lo, masked, init) if cfg.window is not None else init
     carry = lax.fori_loop(full_lo, full_hi, lambda j, c: body(j, c, None), carry)
     return lax.fori_loop(full_hi, hi, masked, carry)
 
