@@ -199,9 +199,9 @@ def stable_shift(s, mask, r_m, cfg: Numerics, floor=jnp.floor, raw=False):
     """The paper's Algorithm 1 with an underflow guard: the tile's max to use for the softmax shift.
 
     Rows with ≥ 2 ties use β·r_m if r_m > 0 and 0 if r_m < 0 (so every P̄ < 1); other rows (and r_m = 0)
-    use r_m. Guard: where that moves the shift more than MAX_SHIFT_NATS above r_m, the offset is folded
-    back into [MAX_SHIFT_NATS / 2, MAX_SHIFT_NATS) (modulo MAX_SHIFT_NATS / 2), so the tied entries'
-    P̄ stays ≥ e⁻²⁰ and no row sum underflows (or hits the 1e-10 clamp; ``forward_tile`` skips the
+    use r_m. Guard: where that moves the shift more than the cap C = ``cfg.max_shift`` above r_m (20
+    nats; 8 for an FP16 P̄), the offset is folded back into [C/2, C) (modulo C/2), so the tied
+    entries' P̄ stays ≥ e^-C and no row sum underflows (or hits the 1e-10 clamp; ``forward_tile`` skips the
     clamp on later tiles of a shifted row). The offset must not be a constant: a tied P̄ = e^-offset
     is rounded to BF16 for P̄·V while ℓ sums it unrounded, so O carries the factor bf16(P̄)/P̄ — a
     dither while the offset varies with r_m, as (β − 1)·r_m does, but a bias of up to ±2⁻⁹ in every
