@@ -19,20 +19,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[train,data,test]"
 	touch $(STAMP)
 
+# Tests run in two processes (-n 2): each test is deterministic, so the pass/fail list is the same
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 	@if [ -n "$(PY312)" ]; then $(MAKE) --no-print-directory test-mosaic; \
 	else echo "no python3.12 here: the Mosaic GPU interpreter tests did not run"; fi
 
 $(STAMP11):
 	test -x $(VENV11)/bin/python || $(PY312) -m venv $(VENV11)
-	$(VENV11)/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" numpy pytest chex
+	$(VENV11)/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" numpy pytest pytest-xdist chex
 	touch $(STAMP11)
 
 # The Mosaic GPU kernels under jax 0.11.2: the whole kernel interpreted, races checked; and the
 # lab's op counter of the Mosaic forward (it lowers for CUDA on a CPU from jax 0.11 on)
 test-mosaic: $(STAMP11)
-	$(VENV11)/bin/python -m pytest -q tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
+	$(VENV11)/bin/python -m pytest -q -n 2 tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
 	  lab/tests/test_mosaic_ops.py
 
 # Every test, slow ones included.
