@@ -32,6 +32,10 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "lr1.5e-3-noclip": ("optim.lr=1.5e-3", "optim.clip=none"),
     "lr1e-3-noclip": ("optim.clip=none",),
     "lr1.25e-3-w250": ("optim.lr=1.25e-3", "optim.warmup_steps=250"),
+    # stage 2: more optimizer steps inside 5 H200-minutes by fewer tokens a step or fewer layers
+    "b16": ("data.batch_size=16",),
+    "b8": ("data.batch_size=8",),
+    "b16-l6": ("data.batch_size=16", "model.n_layer=6"),
 }
 
 WINDOW = 50  # steps in the running mean of the loss
