@@ -91,7 +91,8 @@ def _frozen(x):
     """A hashable stand-in for a keyword value (dicts as sorted items, 0-d arrays by type and value)."""
     if isinstance(x, dict):
         return tuple(sorted((n, _frozen(y)) for n, y in x.items()))
-    if hasattr(x, "shape") and np.shape(x) == () and not isinstance(x, (bool, np.bool_)):
+    if isinstance(x, (np.generic, np.ndarray, jax.Array)) and np.shape(x) == () \
+            and not isinstance(x, (bool, np.bool_)):
         return (type(x).__name__, np.asarray(x).dtype.name, float(x))
     return x
 

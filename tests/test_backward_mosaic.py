@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, f64, grad_bounds
+from helpers import BF16, f64, grad_bounds, jitted
 from jax_flash import jnp_impl, spec, tile
 from jax_flash.pallas import backward_mosaic as bm
 from jax_flash.pallas import mosaic_common
@@ -189,9 +189,9 @@ def _inputs(rng, shape, cfg, tied=False):
         for a in (3, 5, 130, 140):
             k[:, a] = u * 8.0 * np.sqrt(d) / 4.0
     q, k, v, do = (jnp.asarray(x, BF16) for x in (q, k, v, do))
-    o, lse = jnp_impl.forward(q, k, v, cfg)
+    o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
     o = jnp.asarray(o).astype(BF16)
-    dlt = jnp_impl.delta(q, k, v, o, do, lse, cfg)
+    dlt = jitted(jnp_impl.delta, q, k, v, o, do, lse, cfg=cfg)
     return q, k, v, do, o, lse, dlt
 
 
@@ -199,11 +199,15 @@ def _interpreted(q, k, v, do, lse, dlt, cfg):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-    dk, dv = bm.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=q.dtype,
-                            interpret=interpret_params())
+    # each kernel compiled once per test (the race detector runs inside it too)
+    dk, dv = jitted(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
+                    interpret=interpret_params())
+    jax.block_until_ready((dk, dv))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-    dq = bm.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=q.dtype, interpret=interpret_params())
+    dq = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
+                interpret=interpret_params())
+    jax.block_until_ready((dq))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return dq, dk, dv
 
@@ -223,8 +227,8 @@ def test_interpreted_kernels_match_triton_and_jnp(rng, assert_close, shape, caus
     cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=stable)
     q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg, tied=stable)
     ours = _interpreted(q, k, v, do, lse, dlt, cfg)
-    triton = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
-    jnp_g = jnp_impl.backward(q, k, v, do, lse, dlt, cfg, out_dtype=BF16)
+    triton = jitted(pb.backward, q, k, v, do, lse, dlt, cfg=cfg, launch=jf.Launch(), out_dtype=BF16)
+    jnp_g = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)
     exact = jf.reference_numpy(q, k, v, do, causal=causal)[1:]
     bounds = grad_bounds(q, k, v, do, cfg)
     for i, name in enumerate(("dQ", "dK", "dV")):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, f64, o_bound, tied_inputs
+from helpers import BF16, f64, jitted, o_bound, tied_inputs
 from jax_flash import jnp_impl, spec, tile
 from jax_flash.pallas import forward_mosaic as fm
 from jax_flash.pallas import mosaic_common
@@ -182,7 +182,9 @@ def _interpreted(q, k, v, cfg):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-    o, lse = fm.forward_mosaic(q, k, v, cfg, o_dtype=q.dtype, interpret=interpret_params())
+    # compiled once per test (the race detector runs inside it too)
+    o, lse = jitted(fm.forward_mosaic, q, k, v, cfg=cfg, o_dtype=q.dtype, interpret=interpret_params())
+    jax.block_until_ready((o, lse))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return o, lse
 
@@ -195,8 +197,8 @@ def check_interpreted(assert_close, q, k, v, cfg):
     o, lse = _interpreted(q, k, v, cfg)
     chex.assert_shape(o, q.shape)
     chex.assert_type([o, lse], [BF16, jnp.float32])
-    o_t, l_t = pf.forward(q, k, v, cfg, jf.Launch(), o_dtype=BF16)
-    o_j, l_j = jnp_impl.forward(q, k, v, cfg)
+    o_t, l_t = jitted(pf.forward, q, k, v, cfg=cfg, launch=jf.Launch(), o_dtype=BF16)
+    o_j, l_j = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
     bound, terms = o_bound(q, k, v, cfg)
     lb = lse_bound(terms, f64(l_j))
     for name, o_other, l_other in (("Triton", o_t, l_t), ("jnp", o_j, l_j)):
