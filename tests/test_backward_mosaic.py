@@ -9,6 +9,7 @@ jnp executor's gradients and float64. The interpreter lacks a register operand o
 MMA (as tile.py writes it). The compiled kernels run in tests/test_gpu.py (-k mosaic).
 """
 
+import dataclasses
 import importlib
 
 import chex
@@ -236,3 +237,35 @@ def test_interpreted_kernels_match_triton_and_jnp(rng, assert_close, shape, caus
         assert_close(ours[i], triton[i], 2 * bounds[i], f"{name} vs Triton")
         assert_close(ours[i], jnp_g[i], 2 * bounds[i], f"{name} vs jnp")
         assert_close(ours[i], exact[i], bounds[i], f"{name} vs float64")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kv_heads,causal", [(2, True), (1, False)], ids=["gqa-causal", "mqa-full"])
+def test_interpreted_gqa_kernels(rng, assert_close, kv_heads, causal):
+    """GQA/MQA: four query heads on ``kv_heads`` key/value heads. dQ bitwise the kernel's own on K
+    and V repeated to four heads (the same arithmetic per query head); dK, dV — the group's query
+    heads summed in FP32 before one rounding, as the Triton kernel and the jnp executor sum them —
+    against both within twice, and against float64 within, the group's summed per-head bounds."""
+    shape, g = (1, 256, 4, 64), 4 // kv_heads
+    cfg_rep = make_cfg(256, 64, causal=causal)
+    cfg = dataclasses.replace(cfg_rep, groups=g)
+    q, do = (jnp.asarray(rng.standard_normal(shape), BF16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((1, 256, kv_heads, 64)), BF16) for _ in range(2))
+    k_rep, v_rep = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
+    o = jnp.asarray(o).astype(BF16)
+    dlt = jitted(jnp_impl.delta, q, k, v, o, do, lse, cfg=cfg)
+    ours = _interpreted(q, k, v, do, lse, dlt, cfg)
+    chex.assert_shape(ours, [q.shape, k.shape, v.shape])
+    rep = _interpreted(q, k_rep, v_rep, do, lse, dlt, cfg_rep)
+    chex.assert_trees_all_equal(ours[0], rep[0])
+    triton = jitted(pb.backward, q, k, v, do, lse, dlt, cfg=cfg, launch=jf.Launch(), out_dtype=BF16)
+    jnp_g = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)
+    group_sum = lambda x: np.asarray(x, np.float64).reshape(1, 256, kv_heads, g, 64).sum(3)
+    exact = jf.reference_numpy(q, k_rep, v_rep, do, causal=causal)[1:]
+    bounds = grad_bounds(q, k_rep, v_rep, do, cfg_rep)
+    for i, name in ((1, "dK"), (2, "dV")):
+        bound = group_sum(bounds[i])
+        assert_close(ours[i], triton[i], 2 * bound, f"{name} vs Triton")
+        assert_close(ours[i], jnp_g[i], 2 * bound, f"{name} vs jnp")
+        assert_close(ours[i], group_sum(exact[i]), bound, f"{name} vs float64")

@@ -9,6 +9,7 @@ added after the MMA — the same values. The compiled kernel runs in tests/test_
 """
 
 
+import dataclasses
 import importlib
 
 import chex
@@ -242,3 +243,19 @@ def test_interpreted_stable_shifts_tie_rows(rng, assert_close):
     o_s = check_interpreted(assert_close, q, k, v, make_cfg(256, 64, stable=True))
     o_b = f64(_interpreted(q, k, v, make_cfg(256, 64, stable=False))[0])
     assert np.any(o_s[:, 5:64] != o_b[:, 5:64])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+def test_interpreted_gqa_reads_the_groups_kv_head(rng, kv_heads):
+    """GQA/MQA: four query heads on ``kv_heads`` key/value heads, never repeated in memory: O and L
+    bitwise the kernel's own on K and V repeated to four heads (a query head computes the same
+    arithmetic on the same values wherever its K and V come from). Stable, on tied rows."""
+    shape, g = (1, 256, 4, 64), 4 // kv_heads
+    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (130, 140)))
+    k, v = k[:, :, ::g], v[:, :, ::g]
+    cfg = make_cfg(256, 64, stable=True)
+    ours = _interpreted(q, k, v, dataclasses.replace(cfg, groups=g))
+    chex.assert_shape(ours, [q.shape, (1, 4, 256)])
+    repeated = _interpreted(q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2), cfg)
+    chex.assert_trees_all_equal(ours, repeated)

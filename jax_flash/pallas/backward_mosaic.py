@@ -62,8 +62,9 @@ def check(cfg: Numerics, shape, dtype, out_dtype=None, k_shape=None) -> str | No
     if unsupported:
         return unsupported
     _, t, _, d = shape
-    if k_shape is not None and tuple(k_shape) != tuple(shape):
-        return f"k shape {tuple(k_shape)} differs from q's {tuple(shape)}"
+    if k_shape is not None and tuple(k_shape) != mosaic_common.kv_shape(shape, cfg.groups):
+        return (f"k shape {tuple(k_shape)} is not q's {tuple(shape)} with {cfg.groups} query "
+                "heads per key/value head")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (bfloat16 or float16 only)"
     if jnp.dtype(cfg.policy.operand_dtype) != jnp.dtype(dtype) or \
@@ -105,6 +106,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
      free, k_ready, v_ready, *staging) = scratch
     bq, bk, d = Q_TILE, KEYS_PER_WG, q_ref.shape[-1]
     wg = lax.axis_index("wg")
+    # the program's key/value head; its group's query heads head·g … head·g + g − 1 come one after
+    # the other, each with its query blocks in increasing order (the Triton kernel's order)
+    g = cfg.groups
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
     key0 = lax.axis_index("kblk") * KEYS  # causal: the first programs have the most query blocks
     # the program's first query block: blocks wholly above its first key see none of its keys
@@ -145,14 +149,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             plgpu.barrier_wait(lse_ready.at[slot])
             plgpu.barrier_wait(dlt_ready.at[slot])
 
-        def skip(s, _):
-            slot = lax.rem(s, stages)
+        def skip(s, _, base=0):
+            slot = lax.rem(base + s, stages)
             wait_ready(slot)
             plgpu.barrier_arrive(free.at[slot])
 
-        def step(s, carry, masked: bool):
+        def step(s, carry, masked: bool, base=0):  # s: the query block's step; base + s: the ring's
             dk, dv = carry
-            slot = lax.rem(s, stages)
+            slot = lax.rem(base + s, stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
 
@@ -214,13 +218,18 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
 
+        def one_head(i, carry):  # query head head·g + i: its n_steps query blocks
+            base = i * n_steps
+            if cfg.causal:
+                lax.fori_loop(0, wg_first, functools.partial(skip, base=base), None)
+                carry = lax.fori_loop(wg_first, wg_full,
+                                      functools.partial(step, masked=True, base=base), carry)
+            return lax.fori_loop(wg_full, n_steps, functools.partial(step, masked=False, base=base),
+                                 carry)
+
         zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
         carry = (zeros, zeros)
-        if cfg.causal:
-            lax.fori_loop(0, wg_first, skip, None)
-            carry = lax.fori_loop(wg_first, wg_full, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(wg_full, n_steps, functools.partial(step, masked=False), carry)
-        dk, dv = carry
+        dk, dv = one_head(0, carry) if g == 1 else lax.fori_loop(0, g, one_head, carry)
         k_tile[...] = (dk * cfg.sm_scale).astype(k_tile.dtype)
         v_tile[...] = dv.astype(v_tile.dtype)
         plgpu.commit_smem()
@@ -232,18 +241,24 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
     def _produce():
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
 
-        rows = lambda s: pl.ds((first + s) * bq, bq)
+        if g == 1:
+            rows = lambda s: pl.ds((first + s) * bq, bq)
+            qh = lambda s: head
+        else:  # ring step s: query head head·g + s // n_steps, its block s mod n_steps
+            rows = lambda s: pl.ds((first + lax.rem(s, n_steps)) * bq, bq)
+            qh = lambda s: head * g + s // n_steps
         # one free barrier per slot covers all four: the consumers release a step's Q, dO, L and δ at once
-        stream_ring([Stream(lambda s: q_ref.at[batch, rows(s), head], q_smem, q_ready, free),
-                     Stream(lambda s: lse_ref.at[batch, head, rows(s)], lse_smem, lse_ready, None),
-                     Stream(lambda s: do_ref.at[batch, rows(s), head], do_smem, do_ready, None),
-                     Stream(lambda s: dlt_ref.at[batch, head, rows(s)], dlt_smem, dlt_ready, None)],
-                    stages, n_steps)
+        stream_ring([Stream(lambda s: q_ref.at[batch, rows(s), qh(s)], q_smem, q_ready, free),
+                     Stream(lambda s: lse_ref.at[batch, qh(s), rows(s)], lse_smem, lse_ready, None),
+                     Stream(lambda s: do_ref.at[batch, rows(s), qh(s)], do_smem, do_ready, None),
+                     Stream(lambda s: dlt_ref.at[batch, qh(s), rows(s)], dlt_smem, dlt_ready, None)],
+                    stages, g * n_steps)
 
 
 def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
     reason = check(cfg, q.shape, q.dtype, out_dtype, k.shape)
-    if reason is None and not (k.shape == v.shape == do.shape == q.shape
+    if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
+                               and do.shape == q.shape
                                and q.dtype == k.dtype == v.dtype == do.dtype):
         reason = (f"q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} {v.dtype}, "
                   f"do {do.shape} {do.dtype} differ")
@@ -252,7 +267,8 @@ def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
 
 
 def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None):
-    """(dK, dV) ``[B, T, H, D]`` in ``out_dtype``, dK times sm_scale, as ``backward.backward``'s
+    """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
+    query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
     ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11; tests only)."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
@@ -288,11 +304,11 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
             pl.run_scoped(lambda *scr: body(*refs, scr), *scratch, collective_axes="wg")
 
     kwargs = {} if interpret is None else {"interpret": interpret}
-    out = jax.ShapeDtypeStruct(q.shape, out_dtype)
+    out = jax.ShapeDtypeStruct(k.shape, out_dtype)
     dk, dv = plgpu.kernel(
         entry,
         out_type=(out, out),
-        grid=(t // KEYS, h, bsz),
+        grid=(t // KEYS, k.shape[2], bsz),  # a program per key block and key/value head
         grid_names=("kblk", "head", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
@@ -413,7 +429,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
-        produce_kv(k_ref, v_ref, batch, head, bk, (k_smem, k_ready, k_free),
+        produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
 
 

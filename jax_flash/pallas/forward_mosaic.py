@@ -182,7 +182,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
-        produce_kv(k_ref, v_ref, batch, head, bk, (k_smem, k_ready, k_free),
+        # GQA: the group's query heads read their key/value head, never a copy
+        produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
 
 
@@ -191,7 +192,8 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None):
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
     tests only)."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
-    if reason is None and not (k.shape == v.shape == q.shape and q.dtype == k.dtype == v.dtype):
+    if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
+                               and q.dtype == k.dtype == v.dtype):
         reason = f"q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} {v.dtype} differ"
     if reason is not None:
         raise ValueError(f"the Mosaic GPU forward does not cover this call: {reason}")

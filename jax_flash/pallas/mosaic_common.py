@@ -94,9 +94,15 @@ def stream_ring(streams, stages: int, n):
     lax.fori_loop(jnp.maximum(n, stages), n + stages, drain, None)
 
 
+def kv_shape(q_shape, groups: int) -> tuple:
+    """K's and V's shape for queries ``[B, T, H, D]`` with ``groups`` query heads per key/value head."""
+    b, t, h, d = q_shape
+    return (b, t, h // groups, d)
+
+
 def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, n, regs: int):
     """The producer warpgroup of a kernel that walks key tiles (the forward, dQ): K and V tiles
-    j < n of (batch, head), ``bk`` keys each, through their rings; ``k_ring``, ``v_ring``: (SMEM ring,
+    j < n of (batch, head), ``head`` a key/value head, ``bk`` keys each, through their rings; ``k_ring``, ``v_ring``: (SMEM ring,
     ready barriers, free barriers). It keeps ``regs`` registers a thread, giving the rest to the
     compute warpgroups."""
     from jax.experimental import pallas as pl
@@ -109,9 +115,7 @@ def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, 
 
 def unsupported_masks(cfg) -> str | None:
     """Why the Mosaic GPU kernels cannot run ``cfg``'s masking (None: they can): they implement the
-    causal diagonal and kv_len only, with one query head per key/value head."""
-    if cfg.groups != 1:
-        return f"GQA/MQA ({cfg.groups} query heads per key/value head)"
+    causal diagonal, kv_len and GQA/MQA (``cfg.groups`` query heads reading one key/value head)."""
     if cfg.window is not None:
         return f"window {cfg.window}"
     if cfg.seq_lengths:
