@@ -5,6 +5,7 @@
 # step. Everything lands under $OUT (at most 8 files come back from the device machine).
 # Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step]      (default: tests bench)
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET (seconds); SHAPES for the benchmark;
+#      STEP_ARMS for the step (bench.train_step --arms);
 #      K selects GPU tests (pytest -k).
 # `step` alone writes 6 files: env.txt, train_step.{json,log}, profile/{profile.md,trace.json.gz,
 # hlo.txt.gz}; it needs nanoGPT's model.py carried in third_party/nanoGPT (`make nanogpt`).
@@ -35,8 +36,10 @@ if [[ " $parts " == *" step "* ]]; then
   # fa2, fa2-stable, cuDNN and nanoGPT's own step at micro-batches 32 and 16, each run a process of
   # its own, fa2-stable at 32 profiled; runs that would not end within STEP_BUDGET are skipped (the
   # fa2-stable / nanoGPT pairs come first), and the results file is complete after every run
+  # STEP_ARMS: the arms timed (default: also fa2-stable with bf16 logits, a named option)
   timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch 32,16 \
-    --arms fa2,fa2-stable,cudnn --primary fa2-stable --nanogpt third_party/nanoGPT \
+    --arms "${STEP_ARMS:-fa2,fa2-stable,cudnn,fa2-stable[model.logits_dtype=bfloat16]}" \
+    --primary fa2-stable --nanogpt third_party/nanoGPT \
     --profile "$OUT/profile" --budget "${STEP_BUDGET:-520}" \
     --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "train step: exit $r"; tail -14 "$OUT/train_step.log"

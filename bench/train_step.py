@@ -178,16 +178,27 @@ def _profile(step, compiled, cfg, spec) -> dict:
 # ----------------------------------------------------------------------------- the parent
 
 
+def arm_overrides(spec: str) -> list[str]:
+    """Config overrides of an arm as ``--arms`` names it: an experiments/arms.py name, optionally
+    with more overrides in brackets, ``;``-separated — e.g. ``fa2-stable[model.logits_dtype=bfloat16]``
+    (a named option timed beside the arm itself)."""
+    from experiments import arms as arms_lib
+
+    name, _, extra = spec.partition("[")
+    if extra and not extra.endswith("]"):
+        raise ValueError(f"arm {spec!r}: expected NAME or NAME[KEY=VALUE;...]")
+    return arms_lib.overrides(name) + [o for o in extra[:-1].split(";") if o]
+
+
 def _configs(args):
     """(cfg of the preset with --set applied, {arm: cfg}) — the parent's view, no device touched."""
-    from experiments import arms as arms_lib
     from train import config as config_lib
 
     base = config_lib.apply_overrides(config_lib.get_preset(args.preset), args.set)
     per_arm = {}
     for arm in args.arms:
         per_arm[arm] = config_lib.apply_overrides(
-            config_lib.get_preset(args.preset), arms_lib.overrides(arm) + list(args.set))
+            config_lib.get_preset(args.preset), arm_overrides(arm) + list(args.set))
     return base, per_arm
 
 
@@ -289,7 +300,6 @@ def compare(runs: list[dict]) -> None:
 
 
 def run_all(args) -> dict:
-    from experiments import arms as arms_lib
     from train import config as config_lib
     from train.gpt2 import flops_per_token, grad_accum_steps
 
@@ -344,7 +354,7 @@ def run_all(args) -> dict:
             run = {"arm": arm, "batch": batch, "framework": kind}
             if kind == "jax":
                 cfg = config_lib.apply_overrides(per_arm[arm], [f"data.batch_size={batch}"])
-                run["overrides"] = arms_lib.overrides(arm)
+                run["overrides"] = arm_overrides(arm)
             else:  # one GPU
                 cfg = config_lib.apply_overrides(base, [f"data.batch_size={batch}"])
                 run.update(nanogpt=args.nanogpt, grad_accum=grad_accum_steps(cfg, 1))
@@ -467,7 +477,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30, help="timed steps (and as many back to back)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
     ap.add_argument("--batch", default="32", help="micro-batches, comma-separated, e.g. 32,16")
-    ap.add_argument("--arms", default=DEFAULT_ARMS, help="experiments/arms.py names")
+    ap.add_argument("--arms", default=DEFAULT_ARMS,
+                    help="experiments/arms.py names, each optionally NAME[KEY=VALUE;...] (more overrides)")
     ap.add_argument("--primary", default=None,
                     help="arm run first at each micro-batch and profiled (default fa2-stable if listed)")
     ap.add_argument("--preset", default="small-gpu")

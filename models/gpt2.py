@@ -9,8 +9,8 @@ Mixed precision follows nanoGPT under bf16 autocast: parameters are FP32 ("maste
 matmul runs in ``GPTConfig.dtype`` (default bfloat16) with bf16 outputs; LayerNorm and GELU compute in
 FP32; the residual stream stays FP32 (embeddings are FP32 and branch outputs are added to it, as
 autocast does); the tied LM head multiplies bf16 operands with FP32 accumulation and FP32 output, so
-logits and the cross-entropy are FP32 (nanoGPT rounds the logits to bf16 first;
-``logits_dtype="bfloat16"`` does the same).
+logits and the cross-entropy are FP32 (nanoGPT's head outputs bf16 logits, and so gets a bf16
+gradient of them; ``logits_dtype="bfloat16"`` does the same).
 
 Q, K and V are separate ``nnx.Linear`` layers per block (``attn.wq``, ``attn.wk``, ``attn.wv``), each
 with kernel shape ``[n_embd, n_embd]`` (input, output). Head ``h`` of W_Q is
@@ -397,14 +397,15 @@ class GPT(nnx.Module):
                 captures.append(cap)
         x = self.ln_f(x)
         dt = _dt(cfg.dtype)
+        # the head's output dtype: FP32, or bf16 as autocast makes it — then the gradient of the
+        # logits is bf16 too and the head's backward GEMMs run in bf16, as nanoGPT's do
+        out_dt = _dt(cfg.logits_dtype)
         logits = jnp.einsum(
             "btd,vd->btv",
             x.astype(dt),
             self.wte.embedding[...].astype(dt),
-            preferred_element_type=jnp.float32,
-        )
-        if cfg.logits_dtype != "float32":
-            logits = logits.astype(cfg.logits_dtype).astype(jnp.float32)
+            preferred_element_type=jnp.float32 if out_dt == jnp.float32 else out_dt,
+        ).astype(jnp.float32)
         return (logits, captures) if return_intermediates else logits
 
 

@@ -289,6 +289,14 @@ def test_bf16_logits_option_rounds_like_autocast():
     assert f32.dtype == b16.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(b16), np.asarray(f32.astype(jnp.bfloat16), np.float32))
     assert np.any(np.asarray(b16) != np.asarray(f32))
+    # backward: the head's GEMMs take the logits' gradient in bf16 (autocast's), so under the
+    # option the head's weight gradient is that of the bf16-rounded logit gradient
+    loss = lambda m: gpt2.cross_entropy(m(idx), idx)
+    m16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    g16 = nnx.grad(loss)(m16)
+    g32 = nnx.grad(loss)(GPT(cfg, rngs=nnx.Rngs(0)))
+    assert g16.wte.embedding.value.dtype == jnp.float32
+    assert np.any(np.asarray(g16.wte.embedding.value) != np.asarray(g32.wte.embedding.value))
 
 
 def test_layer_norm_keeps_digits_when_features_share_a_large_offset(rng):

@@ -247,6 +247,17 @@ def test_terminated_call_keeps_what_finished(tmp_path, monkeypatch):
 def test_unknown_arm_is_refused():
     with pytest.raises(SystemExit):
         ts.main(["--arms", "fa2,flash-stabel", "--out", "/dev/null"])
+    with pytest.raises(SystemExit):  # an override the config does not have
+        ts.main(["--arms", "fa2[model.logits_dtyp=bfloat16]", "--out", "/dev/null"])
+
+
+def test_an_arm_with_more_overrides():
+    """NAME[KEY=VALUE;...]: the arm's own overrides, then these — a named option timed beside it."""
+    base = ts.arm_overrides("fa2-stable")
+    assert ts.arm_overrides("fa2-stable[model.logits_dtype=bfloat16;optim.clip=none]") == \
+        base + ["model.logits_dtype=bfloat16", "optim.clip=none"]
+    with pytest.raises(ValueError, match="NAME"):
+        ts.arm_overrides("fa2-stable[model.logits_dtype=bfloat16")
 
 
 # ----------------------------------------------------------------------------- on this CPU
