@@ -423,13 +423,27 @@ def dropin_flops(shape, window, pss):
     return 4.0 * b * n * d * visible_pairs(t, window) * {"fwd": 1.0, "fwd+bwd": 3.5, "bwd": 2.5}[pss]
 
 
-def _dropin_impls(kv_heads, window, n_heads):
+MOSAIC = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic")
+
+
+def _dropin_impls(kv_heads, window, n_heads, q=None, k=None):
     """(impl, stable, fn(q, k, v)) for one case: jax-flash's drop-in (default and stable), cuDNN and
-    XLA through jax.nn, and for GQA jax-flash with K/V repeated by hand (what a user did before)."""
+    XLA through jax.nn, for GQA jax-flash with K/V repeated by hand (what a user did before), and
+    where the Hopper kernels cover the case (given ``q``, ``k`` to ask the plan) jax-flash with them
+    asked for explicitly — the same numerics, another launch."""
     kw = dict(is_causal=True, local_window_size=window)
     for stable in (False, True):
         yield "jax_flash", stable, (lambda q, k, v, st=stable: jf.dot_product_attention(
             q, k, v, stable=st, **kw))
+    if q is not None:
+        try:
+            plan = jf.dot_product_attention_plan(q, k, k, launch=MOSAIC, implementation="pallas", **kw)
+        except ValueError:  # not covered, or no Hopper GPU here
+            plan = None
+        if plan is not None and plan.launch != jf.dot_product_attention_plan(q, k, k, **kw).launch:
+            for stable in (False, True):
+                yield "jax_flash_mosaic", stable, (lambda q, k, v, st=stable: jf.dot_product_attention(
+                    q, k, v, stable=st, launch=MOSAIC, **kw))
     for impl in ("cudnn", "xla"):
         yield impl, None, (lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
             q, k, v, implementation=impl, **kw))
@@ -455,7 +469,7 @@ def dropin(reps, rounds=5, passes=("fwd", "fwd+bwd"), log=print, sync="round", c
         plan = jf.dot_product_attention_plan(q, k, v, is_causal=True, local_window_size=window)
         ran = dict(executor=plan.executor, fwd_kernel=plan.launch.fwd_kernel,
                    bwd_kernel=plan.launch.bwd_kernel, notes=list(plan.notes))
-        impls = {(impl, stable): f for impl, stable, f in _dropin_impls(kv_heads, window, n)}
+        impls = {(impl, stable): f for impl, stable, f in _dropin_impls(kv_heads, window, n, q, k)}
         base = dict(case=name, shape=list(shape), kv_heads=kv_heads,
                     window=None if window is None else list(window), causal=True,
                     jax_version=jax.__version__, device=dev, sync=sync)

@@ -408,3 +408,20 @@ def test_bwd_pass_is_the_backward_of_fwd_bwd_from_one_forward():
     assert bench.pass_flops((1, 64, 2, 32), True, "bwd") == 2.5 * bench.pass_flops((1, 64, 2, 32), True, "fwd")
     with pytest.raises(ValueError, match="pass"):
         bench._jax_pass(f, "bwd+fwd")
+
+
+def test_dropin_times_the_hopper_kernels_where_they_cover_the_case(monkeypatch):
+    """The drop-in benchmark's implementations: jax-flash (default and stable), cuDNN, XLA, K/V
+    repeated by hand for GQA, and — where the plan says the Hopper kernels cover the case — those
+    kernels asked for explicitly (here, as on a Hopper GPU: GQA yes, a window no)."""
+    from jax_flash import api
+
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    names = lambda window, kk: [(i, s) for i, s, _ in bench._dropin_impls(2, window, 4, q, kk)]
+    assert ("jax_flash_mosaic", True) not in names(None, k)  # no Hopper GPU here
+    monkeypatch.setattr(api.mosaic_common, "unavailable", lambda: None)
+    assert names(None, k) == [("jax_flash", False), ("jax_flash", True), ("jax_flash_mosaic", False),
+                              ("jax_flash_mosaic", True), ("cudnn", None), ("xla", None),
+                              ("jax_flash_repeat_kv", False)]
+    assert ("jax_flash_mosaic", False) not in names((63, 0), k)
