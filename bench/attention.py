@@ -440,7 +440,8 @@ def _dropin_impls(kv_heads, window, n_heads, q=None, k=None):
             plan = jf.dot_product_attention_plan(q, k, k, launch=MOSAIC, implementation="pallas", **kw)
         except ValueError:  # not covered, or no Hopper GPU here
             plan = None
-        if plan is not None and plan.launch != jf.dot_product_attention_plan(q, k, k, **kw).launch:
+        chosen = jf.dot_product_attention_plan(q, k, k, **kw).launch
+        if plan is not None and (chosen.fwd_kernel, chosen.bwd_kernel) != ("mosaic", "mosaic"):
             for stable in (False, True):
                 yield "jax_flash_mosaic", stable, (lambda q, k, v, st=stable: jf.dot_product_attention(
                     q, k, v, stable=st, launch=MOSAIC, **kw))
