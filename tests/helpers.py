@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +30,16 @@ U32 = 2.0 ** -24  # unit roundoff of FP32
 # half their spacing
 TINY = 2.0 ** -126
 SUB = {np.dtype(jnp.bfloat16): TINY, np.dtype(jnp.float16): 2.0 ** -25, np.dtype(jnp.float32): TINY}
+
+
+def ulp_of_max(desired) -> float:
+    """One ulp (of ``desired``'s dtype) of its largest magnitude: the bound between two executors of
+    the same numerics on the same tiles. They share every rounding point; their FP32 steps (dots,
+    exp2) may differ in last bits, which flips a BF16 rounding by one ulp of the element, or moves
+    a cancelled sum by FP32 noise of its terms' size — both within this."""
+    dtype = np.dtype(desired.dtype)
+    mag = max(float(np.max(np.abs(np.asarray(desired, np.float64)))), float(jnp.finfo(dtype).tiny))
+    return float(2.0 ** (np.floor(np.log2(mag)) - jnp.finfo(dtype).nmant))
 
 
 def u_of(dtype) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, f64, grad_bounds, jitted
+from helpers import BF16, f64, grad_bounds, jitted, ulp_of_max
 from jax_flash import jnp_impl, spec, tile
 from jax_flash.pallas import backward_mosaic as bm
 from jax_flash.pallas import mosaic_common
@@ -240,7 +240,8 @@ def test_interpreted_kernels_match_triton_and_jnp(rng, assert_close, shape, caus
 
 
 @needs_interpreter
-@pytest.mark.parametrize("kv_heads,causal", [(2, True), (1, False)], ids=["gqa-causal", "mqa-full"])
+@pytest.mark.parametrize("kv_heads,causal", [(2, True), pytest.param(1, False, marks=pytest.mark.slow)],
+                         ids=["gqa-causal", "mqa-full"])
 def test_interpreted_gqa_kernels(rng, assert_close, kv_heads, causal):
     """GQA/MQA: four query heads on ``kv_heads`` key/value heads. dQ bitwise the kernel's own on K
     and V repeated to four heads (the same arithmetic per query head); dK, dV — the group's query
@@ -269,3 +270,28 @@ def test_interpreted_gqa_kernels(rng, assert_close, kv_heads, causal):
         assert_close(ours[i], triton[i], 2 * bound, f"{name} vs Triton")
         assert_close(ours[i], jnp_g[i], 2 * bound, f"{name} vs jnp")
         assert_close(ours[i], group_sum(exact[i]), bound, f"{name} vs float64")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window,causal,kv_heads", [
+    ((127, 0), True, 1), ((100, 30), True, 2), pytest.param((64, 64), False, 2, marks=pytest.mark.slow)],
+                         ids=["sliding-127", "left-100-right-30-gqa", "both-64-gqa"])
+def test_interpreted_window_kernels(rng, assert_close, window, causal, kv_heads):
+    """Windows: the dQ kernel streams the key tiles its rows see, the dK/dV kernel the query blocks
+    that see its keys (``tile.q_block_bounds``), per query head of the group; edge tiles masked.
+    dQ, dK, dV against the Triton kernels interpreted and the jnp executor's backward under the same
+    Numerics and the same L and δ."""
+    shape, g = (1, 384, 2, 64), 2 // kv_heads
+    cfg = dataclasses.replace(make_cfg(384, 64, causal=causal), window=window, groups=g)
+    q, do = (jnp.asarray(rng.standard_normal(shape), BF16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((1, 384, kv_heads, 64)), BF16) for _ in range(2))
+    o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
+    o = jnp.asarray(o).astype(BF16)
+    dlt = jitted(jnp_impl.delta, q, k, v, o, do, lse, cfg=cfg)
+    ours = _interpreted(q, k, v, do, lse, dlt, cfg)
+    chex.assert_shape(ours, [q.shape, k.shape, v.shape])
+    triton = jitted(pb.backward, q, k, v, do, lse, dlt, cfg=cfg, launch=jf.Launch(), out_dtype=BF16)
+    jnp_g = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)
+    for i, name in enumerate(("dQ", "dK", "dV")):
+        assert_close(ours[i], triton[i], ulp_of_max(triton[i]), f"{name} vs Triton")
+        assert_close(ours[i], jnp_g[i], ulp_of_max(jnp_g[i]), f"{name} vs jnp")

@@ -433,17 +433,20 @@ def test_plan_names_the_executor_and_fields():
     assert jf.dot_product_attention_plan(big, big, big).executor == "jnp"
 
 
-@pytest.mark.parametrize("k_heads", [2, 1], ids=["gqa", "mqa"])
-def test_mosaic_kernels_cover_gqa(k_heads, monkeypatch):
-    """GQA/MQA is in the Hopper kernels: their checks pass, the plan keeps them; K of another head
-    count than the groups say is refused."""
+@pytest.mark.parametrize("k_heads,window", [(2, None), (1, None), (4, (127, 0)), (2, 64)],
+                         ids=["gqa", "mqa", "window", "gqa-window"])
+def test_mosaic_kernels_cover_gqa_and_windows(k_heads, window, monkeypatch):
+    """GQA/MQA and windows are in the Hopper kernels: their checks pass, the plan keeps them; K of
+    another head count than the groups say is refused."""
     q = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
     k = jax.ShapeDtypeStruct((1, 256, k_heads, 128), BF16)
-    cfg = jf.dot_product_attention_plan(q, k, k, is_causal=True, implementation="jnp").numerics
+    cfg = jf.dot_product_attention_plan(q, k, k, is_causal=True, implementation="jnp",
+                                        local_window_size=window).numerics
     assert cfg.groups == 4 // k_heads
     assert forward_mosaic.check(cfg, q.shape, BF16, BF16) is None
     assert backward_mosaic.check(cfg, q.shape, BF16, BF16, k.shape) is None
-    assert "key/value head" in backward_mosaic.check(cfg, q.shape, BF16, BF16, q.shape)
+    if k_heads != 4:
+        assert "key/value head" in backward_mosaic.check(cfg, q.shape, BF16, BF16, q.shape)
     monkeypatch.setattr(api.mosaic_common, "unavailable", lambda: None)
     launch, notes = api._covered(jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic"), cfg, q, k,
                                  True, 128, 128)
@@ -451,7 +454,6 @@ def test_mosaic_kernels_cover_gqa(k_heads, monkeypatch):
 
 
 @pytest.mark.parametrize("kw,reason", [
-    (dict(local_window_size=64), "window"),
     (dict(key_value_seq_lengths=jax.ShapeDtypeStruct((1,), jnp.int32)), "lengths"),
     (dict(bias=jax.ShapeDtypeStruct((1, 4, 256, 256), BF16)), "mask or bias")])
 def test_mosaic_kernels_refuse_what_they_do_not_implement(kw, reason, monkeypatch):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, f64, jitted, o_bound, tied_inputs
+from helpers import BF16, f64, jitted, o_bound, tied_inputs, ulp_of_max
 from jax_flash import jnp_impl, spec, tile
 from jax_flash.pallas import forward_mosaic as fm
 from jax_flash.pallas import mosaic_common
@@ -246,7 +246,7 @@ def test_interpreted_stable_shifts_tie_rows(rng, assert_close):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("kv_heads", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["gqa", "mqa"])
 def test_interpreted_gqa_reads_the_groups_kv_head(rng, kv_heads):
     """GQA/MQA: four query heads on ``kv_heads`` key/value heads, never repeated in memory: O and L
     bitwise the kernel's own on K and V repeated to four heads (a query head computes the same
@@ -259,3 +259,32 @@ def test_interpreted_gqa_reads_the_groups_kv_head(rng, kv_heads):
     chex.assert_shape(ours, [q.shape, (1, 4, 256)])
     repeated = _interpreted(q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2), cfg)
     chex.assert_trees_all_equal(ours, repeated)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window,causal", [
+    ((127, 0), True), pytest.param((100, 30), True, marks=pytest.mark.slow), ((64, 64), False)],
+    ids=["sliding-127", "left-100-right-30", "both-64"])
+def test_interpreted_window(rng, assert_close, window, causal):
+    """Windows: a program streams only the key tiles its rows see (``tile.kv_tile_bounds``), a
+    warpgroup skips those only the other one sees, the edge tiles are masked. O and L against the
+    Triton kernel interpreted and the jnp executor under the same Numerics (``stable``, tied rows
+    inside the windows), and O against the kernel's own unwindowed output where the window hides
+    nothing (the first rows of a causal sliding window)."""
+    shape = (1, 384, 1, 64)
+    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (250, 255)))
+    cfg = dataclasses.replace(make_cfg(384, 64, causal=causal, stable=True), window=window)
+    pf = importlib.import_module("jax_flash.pallas.forward")
+    o, lse = _interpreted(q, k, v, cfg)
+    o_t, l_t = jitted(pf.forward, q, k, v, cfg=cfg, launch=jf.Launch(), o_dtype=BF16)
+    o_j, l_j = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
+    o_j = o_j.astype(BF16)  # the executor's FP32 O, stored in the inputs' dtype as the kernels store it
+    for name, o_other, l_other in (("Triton", o_t, l_t), ("jnp", o_j, l_j)):
+        assert_close(o, o_other, ulp_of_max(o_other), f"O vs {name}")
+        # L = m + log₂ℓ: the same m, ℓ summed in another FP32 order: a few FP32 ulps of |L| + 1
+        chex.assert_trees_all_close(lse, l_other, rtol=8 * 2.0 ** -24, atol=8 * 2.0 ** -24)
+    if causal and window[1] == 0:
+        plain = _interpreted(q, k, v, dataclasses.replace(cfg, window=None))[0]
+        rows = window[0] + 1  # rows 0 … left see every key the causal mask leaves them
+        chex.assert_trees_all_equal(o[:, :rows], plain[:, :rows])
+        assert np.any(f64(o[:, rows:]) != f64(plain[:, rows:]))

@@ -9,7 +9,9 @@ ready / free barriers. Per query block, four MMAs: Sᵀ = K·Qᵀ, dV += bf16(P�
 dK += bf16(dSᵀ)·Q, with Pᵀ and dSᵀ ``tile.py``'s arithmetic (``p_tile``, ``ds_tile``, checked against
 ``tile.backward_tile_dkdv`` in tests/test_backward_mosaic.py). Causal: query blocks above a
 warpgroup's keys are skipped, the diagonal block is masked with ``tile.tile_mask(transposed=True)``,
-the rest run without a mask.
+the rest run without a mask; under a window only the query blocks that see the keys are streamed
+(``tile.q_block_bounds``), the edge blocks masked. Under GQA a program owns keys of one key/value
+head and streams the query blocks of its group's query heads one head after the other.
 
 The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure: 128 query rows per program in two compute
 warpgroups, K and V tiles streamed by a producer warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ,
@@ -111,9 +113,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
     g = cfg.groups
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
     key0 = lax.axis_index("kblk") * KEYS  # causal: the first programs have the most query blocks
-    # the program's first query block: blocks wholly above its first key see none of its keys
-    first = key0 // bq if cfg.causal else 0
-    n_steps = nq - first
+    # the program streams the query blocks [p_lo, p_hi) that see its keys (tile.q_block_bounds: the
+    # causal diagonal, a window's edges), per query head of its group
+    p_lo, _, _, p_hi = tile.q_block_bounds(key0, bq, KEYS, nq, cfg)
+    n_steps = p_hi - p_lo
 
     def wgmma_layout(x):
         return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
@@ -133,13 +136,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
         kv = (batch, pl.ds(keys, bk), head)
         plgpu.copy_gmem_to_smem(k_ref.at[kv], k_tile, k_ready.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[kv], v_tile, v_ready.at[wg])
-        # in steps: blocks [0, wg_first) see none of this warpgroup's keys, [wg_first, wg_full) cross
-        # its diagonal, the rest see all of its keys
-        if cfg.causal:
-            wg_first = keys // bq - first
-            wg_full = jnp.minimum(pl.cdiv(keys + bk - 1, bq), nq) - first
-        else:
-            wg_first = wg_full = 0
+        # query blocks [lo, hi) see this warpgroup's keys, [full_lo, full_hi) see all of them
+        lo, full_lo, full_hi, hi = tile.q_block_bounds(keys, bq, bk, nq, cfg)
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
 
@@ -149,14 +147,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             plgpu.barrier_wait(lse_ready.at[slot])
             plgpu.barrier_wait(dlt_ready.at[slot])
 
-        def skip(s, _, base=0):
-            slot = lax.rem(base + s, stages)
+        def skip(b, _, base=0):
+            slot = lax.rem(base + b - p_lo, stages)
             wait_ready(slot)
             plgpu.barrier_arrive(free.at[slot])
 
-        def step(s, carry, masked: bool, base=0):  # s: the query block's step; base + s: the ring's
+        def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: the ring's step
             dk, dv = carry
-            slot = lax.rem(base + s, stages)
+            slot = lax.rem(base + b - p_lo, stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
 
@@ -167,7 +165,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             s_t = pl.run_scoped(sk, plgpu.ACC((bk, bq), jnp.float32))
             plgpu.barrier_wait(lse_ready.at[slot])
             lse_b = row_vector(lse_smem.at[slot])
-            mask_t = (tile.tile_mask((first + s) * bq, keys, bq, bk, cfg, transposed=True)
+            mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
                       if masked else None)
             pol = cfg.policy
             p_t = p_tile(s_t, lse_b, mask_t, cfg)
@@ -220,12 +218,17 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
 
         def one_head(i, carry):  # query head head·g + i: its n_steps query blocks
             base = i * n_steps
-            if cfg.causal:
-                lax.fori_loop(0, wg_first, functools.partial(skip, base=base), None)
-                carry = lax.fori_loop(wg_first, wg_full,
-                                      functools.partial(step, masked=True, base=base), carry)
-            return lax.fori_loop(wg_full, n_steps, functools.partial(step, masked=False, base=base),
-                                 carry)
+            if cfg.causal or cfg.window is not None:  # above the diagonal, a window's upper edge
+                lax.fori_loop(p_lo, lo, functools.partial(skip, base=base), None)
+                carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True, base=base),
+                                      carry)
+            carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False, base=base),
+                                  carry)
+            if cfg.window is not None:  # the window's lower edge (without one, full_hi = hi = p_hi)
+                carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True, base=base),
+                                      carry)
+                lax.fori_loop(hi, p_hi, functools.partial(skip, base=base), None)
+            return carry
 
         zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
         carry = (zeros, zeros)
@@ -242,10 +245,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
 
         if g == 1:
-            rows = lambda s: pl.ds((first + s) * bq, bq)
+            rows = lambda s: pl.ds((p_lo + s) * bq, bq)
             qh = lambda s: head
-        else:  # ring step s: query head head·g + s // n_steps, its block s mod n_steps
-            rows = lambda s: pl.ds((first + lax.rem(s, n_steps)) * bq, bq)
+        else:  # ring step s: query head head·g + s // n_steps, its block p_lo + s mod n_steps
+            rows = lambda s: pl.ds((p_lo + lax.rem(s, n_steps)) * bq, bq)
             qh = lambda s: head * g + s // n_steps
         # one free barrier per slot covers all four: the consumers release a step's Q, dO, L and δ at once
         stream_ring([Stream(lambda s: q_ref.at[batch, rows(s), qh(s)], q_smem, q_ready, free),
@@ -340,11 +343,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     if cfg.causal:  # heaviest query blocks first: the short ones then fill the last wave
         blk = q_ref.shape[1] // KEYS - 1 - blk
     row0 = blk * KEYS
-
-    def steps_until(rows_end):  # key tiles a block of rows ending at rows_end visits
-        return jnp.minimum(nk, pl.cdiv(rows_end, bk)) if cfg.causal else nk
-
-    program_steps = steps_until(row0 + KEYS)
+    # the program streams the key tiles [p_lo, p_hi) its rows see (tile.kv_tile_bounds)
+    p_lo, _, _, p_hi = tile.kv_tile_bounds(row0, KEYS, bk, nk, cfg)
+    program_steps = p_hi - p_lo
 
     def row_vector(ref):  # L or δ of the warpgroup's rows, broadcast along the keys: [rq, bk]
         vec = ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
@@ -355,9 +356,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         plgpu.set_max_registers(COMPUTE_REGS, action="increase")
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         rows = row0 + wg * rq
-        n_steps = steps_until(rows + rq)
-        # tiles entirely at or below the block's first row need no mask
-        n_full = jnp.minimum(n_steps, (rows + 1) // bk) if cfg.causal else nk
+        # tiles [lo, hi) hold what the rows see, [full_lo, full_hi) need no mask
+        lo, full_lo, full_hi, hi = tile.kv_tile_bounds(rows, rq, bk, nk, cfg)
         mine = (batch, pl.ds(rows, rq), head)
         plgpu.copy_gmem_to_smem(q_ref.at[mine], q_tile, q_ready.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[mine], do_tile, do_ready.at[wg])
@@ -368,8 +368,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         for bar in (q_ready, do_ready, lse_ready, dlt_ready):
             plgpu.barrier_wait(bar.at[wg])
 
-        def step(j, dq, masked: bool):
-            slot = lax.rem(j, stages)
+        def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
+            slot = lax.rem(j - p_lo, stages)
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(k_ready.at[slot])
 
@@ -409,8 +409,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        def skip(j, _):  # tiles past this warpgroup's diagonal that the other one needs
-            slot = lax.rem(j, stages)
+        def skip(j, _):  # tiles outside this warpgroup's rows' view that the other one needs
+            slot = lax.rem(j - p_lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
@@ -418,10 +418,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
         dq = jnp.zeros((rq, d), jnp.float32)
         dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
-        if cfg.causal:
-            dq = lax.fori_loop(n_full, n_steps, functools.partial(step, masked=True), dq)
-            lax.fori_loop(n_steps, program_steps, skip, None)
+        if cfg.window is not None:  # a window's left edge (without one, p_lo = lo = full_lo = 0)
+            lax.fori_loop(p_lo, lo, skip, None)
+            dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
+        dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+        if cfg.causal or cfg.window is not None:  # the diagonal or the window's right edge
+            dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
+            lax.fori_loop(hi, p_hi, skip, None)
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
@@ -430,7 +433,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
         produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
+                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
 
 
 def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None):

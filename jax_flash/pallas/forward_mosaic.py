@@ -4,7 +4,8 @@ The same algorithm and rounding points as ``forward.py``'s Triton kernel — the
 ``tile.py``'s arithmetic on the register tiles — with Hopper's data movement and dots: TMA copies into
 a ring of shared-memory stages, ``wgmma`` for Q·Kᵀ and P̄·V, and warpgroup specialisation. Each program
 owns 128 query rows: two compute warpgroups of 64 rows each (wgmma's M) and one producer warpgroup
-that streams the key tiles K_j, V_j (j in order, stopping at the causal diagonal) for both.
+that streams the key tiles K_j, V_j for both, in order, only those its rows see (the causal
+diagonal, a window's edges: ``tile.kv_tile_bounds``); under GQA a query head reads its group's K, V.
 
 The two compute warpgroups take turns ("ping-pong", as in FlashAttention-3): one's softmax runs while
 the other's MMAs use the tensor cores. Chosen by ``Launch.fwd_kernel == "mosaic"`` (the tuning table
@@ -87,11 +88,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
     if cfg.causal:
         blk = q_ref.shape[1] // ROWS - 1 - blk
     row0 = blk * ROWS
-
-    def steps_until(rows_end):  # key tiles a block of rows ending at rows_end visits
-        return jnp.minimum(nk, pl.cdiv(rows_end, bk)) if cfg.causal else nk
-
-    program_steps = steps_until(row0 + ROWS)
+    # the program streams the key tiles [p_lo, p_hi) its rows see (tile.kv_tile_bounds: the causal
+    # diagonal, a window's edges); a warpgroup skips those of them only the other one sees
+    p_lo, _, _, p_hi = tile.kv_tile_bounds(row0, ROWS, bk, nk, cfg)
+    program_steps = p_hi - p_lo
 
     def take_turn():  # both compute warpgroups meet here; each call pairs with one of the other's
         if PINGPONG:
@@ -103,17 +103,16 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         plgpu.set_max_registers(COMPUTE_REGS, action="increase")
         qo = qo_smem.at[wg]
         rows = row0 + wg * ROWS_PER_WG
-        n_steps = steps_until(rows + ROWS_PER_WG)
-        # tiles entirely at or below the block's first row need no mask (as forward._num_full_kv_tiles)
-        n_full = jnp.minimum(n_steps, (rows + 1) // bk) if cfg.causal else nk
+        # tiles [lo, hi) hold what the rows see, [full_lo, full_hi) need no mask
+        lo, full_lo, full_hi, hi = tile.kv_tile_bounds(rows, ROWS_PER_WG, bk, nk, cfg)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head], qo,
                                 q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
         # warpgroup 1 starts one turn behind, so that the two alternate from the first tile
         pl.when(wg == 1)(take_turn)
 
-        def step(j, carry, masked: bool):
-            slot = lax.rem(j, stages)
+        def step(j, carry, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
+            slot = lax.rem(j - p_lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc_ref):
@@ -155,9 +154,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             return tile.Carry(m_new, l_new, acc, None)
 
         def skip(j, _):
-            # tiles past this warpgroup's diagonal that the other one needs: release them only after
-            # they arrived, so that each release counts towards this tile's phase of the barrier
-            slot = lax.rem(j, stages)
+            # tiles outside this warpgroup's rows' view that the other one needs: release them only
+            # after they arrived, so that each release counts towards this tile's phase of the barrier
+            slot = lax.rem(j - p_lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             take_turn()
@@ -166,10 +165,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             take_turn()
 
         carry = tile.init_carry(ROWS_PER_WG, d, cfg)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-        if cfg.causal:
-            carry = lax.fori_loop(n_full, n_steps, functools.partial(step, masked=True), carry)
-            lax.fori_loop(n_steps, program_steps, skip, None)
+        if cfg.window is not None:  # a window's left edge (without one, p_lo = lo = full_lo = 0)
+            lax.fori_loop(p_lo, lo, skip, None)
+            carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+        if cfg.causal or cfg.window is not None:  # the diagonal or the window's right edge
+            carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+            lax.fori_loop(hi, p_hi, skip, None)
         pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
 
         o, lse = tile.finish(carry, cfg)
@@ -184,7 +186,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
     def _produce():
         # GQA: the group's query heads read their key/value head, never a copy
         produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS)
+                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
 
 
 def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None):

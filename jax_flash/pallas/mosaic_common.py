@@ -100,24 +100,25 @@ def kv_shape(q_shape, groups: int) -> tuple:
     return (b, t, h // groups, d)
 
 
-def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, n, regs: int):
+def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, n, regs: int,
+               first=0):
     """The producer warpgroup of a kernel that walks key tiles (the forward, dQ): K and V tiles
-    j < n of (batch, head), ``head`` a key/value head, ``bk`` keys each, through their rings; ``k_ring``, ``v_ring``: (SMEM ring,
-    ready barriers, free barriers). It keeps ``regs`` registers a thread, giving the rest to the
-    compute warpgroups."""
+    first … first + n − 1 of (batch, head), ``head`` a key/value head, ``bk`` keys each, through
+    their rings (tile first + j into slot j % stages); ``k_ring``, ``v_ring``: (SMEM ring, ready
+    barriers, free barriers). It keeps ``regs`` registers a thread, giving the rest to the compute
+    warpgroups."""
     from jax.experimental import pallas as pl
 
     plgpu().set_max_registers(regs, action="decrease")
-    keys = lambda j: (batch, pl.ds(j * bk, bk), head)
+    keys = lambda j: (batch, pl.ds((first + j) * bk, bk), head)
     stream_ring([Stream(lambda j: k_ref.at[keys(j)], *k_ring),
                  Stream(lambda j: v_ref.at[keys(j)], *v_ring)], stages, n)
 
 
 def unsupported_masks(cfg) -> str | None:
     """Why the Mosaic GPU kernels cannot run ``cfg``'s masking (None: they can): they implement the
-    causal diagonal, kv_len and GQA/MQA (``cfg.groups`` query heads reading one key/value head)."""
-    if cfg.window is not None:
-        return f"window {cfg.window}"
+    causal diagonal, windows, kv_len and GQA/MQA (``cfg.groups`` query heads reading one key/value
+    head)."""
     if cfg.seq_lengths:
         return "per-batch sequence lengths"
     if cfg.mask or cfg.bias:
