@@ -19,14 +19,6 @@ import pytest
 
 SLOW = os.environ.get("JAX_FLASH_SLOW") == "1"
 
-# Many tests compile the same small programs (models, kernels): a per-process compilation cache makes
-# the repeats loads instead of compiles. The compiled programs are the same, so no value changes.
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    import tempfile
-
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jax-flash-tests-cc-"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 DEFAULT_SEED = 0
 _RATIOS = collections.defaultdict(list)  # (test, quantity) -> [(seed, ratio)]
 
