@@ -295,3 +295,27 @@ def test_interpreted_window_kernels(rng, assert_close, window, causal, kv_heads)
     for i, name in enumerate(("dQ", "dK", "dV")):
         assert_close(ours[i], triton[i], ulp_of_max(triton[i]), f"{name} vs Triton")
         assert_close(ours[i], jnp_g[i], ulp_of_max(jnp_g[i]), f"{name} vs jnp")
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU lowers for CUDA on a CPU from jax 0.11")
+@pytest.mark.parametrize("kv_heads,window,causal", [(4, None, True), (2, None, True), (4, (1023, 0), True),
+                                                    (1, (256, 256), False)],
+                         ids=["plain", "gqa", "sliding-window", "mqa-window-both"])
+def test_kernels_lower_for_cuda(kv_heads, window, causal):
+    """The forward, dK/dV and dQ kernels lower to Mosaic GPU's per-thread module for CUDA (what the
+    GPU compiles; ``jax.export`` does it on a CPU) at a training shape: the interpreter does not run
+    that lowering, which refuses ops Mosaic GPU lacks."""
+    from jax_flash.pallas import forward_mosaic as fm
+
+    t = 2048
+    cfg = dataclasses.replace(make_cfg(t, 128, causal=causal), window=window, groups=4 // kv_heads)
+    q = jax.ShapeDtypeStruct((1, t, 4, 128), BF16)
+    k = jax.ShapeDtypeStruct((1, t, kv_heads, 128), BF16)
+    rows = jax.ShapeDtypeStruct((1, 4, t), jnp.float32)
+    fwd_cfg = dataclasses.replace(cfg, block_k=128)  # the forward's key tile at head_dim 128
+    for f, args in (
+            (lambda q, k, v: fm.forward_mosaic(q, k, v, fwd_cfg, o_dtype=BF16), (q, k, k)),
+            (lambda *a: bm.dkdv_mosaic(*a, cfg, out_dtype=BF16), (q, k, k, q, rows, rows)),
+            (lambda *a: bm.dq_mosaic(*a, cfg, out_dtype=BF16), (q, k, k, q, rows, rows))):
+        exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
+        assert "cuda" in exported.platforms
