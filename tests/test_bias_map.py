@@ -152,6 +152,7 @@ def test_paper_ablation_cells(rng):
 
 
 # ------------------------------------------------------------------------ the stable shift's β
+@pytest.mark.slow  # experiment tooling, 15–30 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_stable_beta_cells(rng):
     """experiments/stable_beta.py on a few rows: with both ties in one key tile the "fa2" tie bias
     (t > 20) is gone at every β (|t| < 4); with the ties split over two tiles the shift never fires

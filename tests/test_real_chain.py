@@ -6,6 +6,7 @@ W_Q-gradient error)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from experiments import real_chain as RC
@@ -25,6 +26,7 @@ def bf16_flash_model(rng):
     return model, (x, y)
 
 
+@pytest.mark.slow  # experiment tooling, 15–30 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_layer_tensors_round_trip_bitwise(rng, tmp_path):
     """The file holds exactly what the snapshot program computed (dtype and bits), and that is the
     probe's own q, k, v (bitwise) and dO (two separately compiled backward programs: XLA:CPU may

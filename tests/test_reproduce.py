@@ -4,6 +4,7 @@ experiments/gpu/repro_seq.sh chains 10-minute GPU commands), and the table over 
 import json
 
 import numpy as np
+import pytest
 
 from experiments import reproduce as R
 from helpers import Tokens
@@ -12,6 +13,7 @@ MICRO = ["model.vocab_size=512", "model.n_layer=2", "model.n_head=4", "model.n_e
          "model.block_size=32", "data.batch_size=4", "optim.warmup_steps=2", "data.eval_batches=1"]
 
 
+@pytest.mark.slow  # experiment tooling, 15–30 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_run_resume_and_table(tmp_path, capsys):
     tok = Tokens()
     data = tmp_path / "tok.npz"
@@ -72,6 +74,7 @@ def test_run_resume_and_table(tmp_path, capsys):
     assert [(r[2].strip(), r[col].strip()) for r in rows] == [("L0", "3"), ("L1", "3")]  # probes at 2, 4, 6
 
 
+@pytest.mark.slow  # experiment tooling, 15–30 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_lanes_pack_outputs_and_deadline_skips_arms(tmp_path):
     """experiments/gpu/lanes.sh: one GPU index and OUT folder per lane, a lane past the time is killed
     but the archive is still written; repro_seq.sh skips an arm that cannot finish before DEADLINE."""

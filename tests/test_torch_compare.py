@@ -42,6 +42,7 @@ def test_compare_metrics_against_hand_computed_values(rng):
     assert m["dk_rel_diff"] == pytest.approx(2 * np.linalg.norm(noise[2]) / np.linalg.norm(ref[2]))
 
 
+@pytest.mark.slow  # experiment tooling, 15–30 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_probe_compares_every_layer_at_the_chosen_steps(tmp_path):
     cfg = micro_cfg(tmp_path / "run", "attention.kind=flash")
     model = G.GPT(cfg.model, rngs=nnx.Rngs(0))
