@@ -280,6 +280,7 @@ def probed_run(tmp_path_factory):
     return run, chain, snap
 
 
+@pytest.mark.slow  # experiment tooling, 15–20 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_delta_error_of_tied_rows(rng, monkeypatch):
     """``delta_err_tie/L*``: Σ δ error over the rows the tie test marks. With a stand-in tie mask
     (every even row; a random FP32 model has no exact ties) it is the planted error summed over

@@ -54,6 +54,7 @@ def test_layer_tensors_round_trip_bitwise(rng, tmp_path):
             assert np.all(np.abs(a - b) <= 1e-2 * scale + 1e-30)
 
 
+@pytest.mark.slow  # experiment tooling, 15–20 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_cpu_rerun_matches_the_training_probe(rng):
     """The fa2 arm re-run on the probe's L1 tensors reproduces the probe's measurements for the same model
     and sequences: its dQ error along W_Q equals the one formed from the probe's own tensors

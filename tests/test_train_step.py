@@ -263,6 +263,7 @@ def test_an_arm_with_more_overrides():
 # ----------------------------------------------------------------------------- on this CPU
 
 
+@pytest.mark.slow  # experiment tooling, 15–20 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_results_file_and_profile_on_cpu(tmp_path):
     """The real thing on a CPU: each arm in its own process; fa2 (jnp executor) timed and profiled,
     cuDNN's failure recorded with its reason while the run goes on."""
