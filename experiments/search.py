@@ -36,6 +36,10 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "b16": ("data.batch_size=16",),
     "b8": ("data.batch_size=8",),
     "b16-l6": ("data.batch_size=16", "model.n_layer=6"),
+    # stage 3: the reproduction's 32 K tokens a step, a cheaper step by fewer layers or bf16 logits
+    "l6": ("model.n_layer=6",),
+    "l4": ("model.n_layer=4",),
+    "bf16-logits": ("model.logits_dtype=bfloat16",),
 }
 
 WINDOW = 50  # steps in the running mean of the loss
