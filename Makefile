@@ -20,14 +20,10 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[train,data,test]"
 	touch $(STAMP)
 
-# The CPU tests compile with LLVM's optimisation level 0: the same IEEE arithmetic (XLA's HLO passes
-# still run, and fast math stays off), a third less compile time, which dominates the suite.
-CPU_TEST := XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS"
-
 # Tests run in two processes (-n 2; an idle one takes queued tests from the other): each test is
 # deterministic, so the pass/fail list is the same whichever process runs it.
 test: $(STAMP)
-	$(CPU_TEST) $(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q -n 2 --dist worksteal
 	@if [ -n "$(PY312)" ]; then $(MAKE) --no-print-directory test-mosaic; \
 	else echo "no python3.12 here: the Mosaic GPU interpreter tests did not run"; fi
 
@@ -41,12 +37,12 @@ $(STAMP11):
 # The Mosaic GPU kernels under jax 0.11.2: the whole kernel interpreted, races checked; and the
 # lab's op counter of the Mosaic forward (it lowers for CUDA on a CPU from jax 0.11 on)
 test-mosaic: $(STAMP11)
-	$(CPU_TEST) $(VENV11)/bin/python -m pytest -q -n 2 --dist worksteal tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
+	$(VENV11)/bin/python -m pytest -q -n 2 --dist worksteal tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
 	  lab/tests/test_mosaic_ops.py
 
 # Every test, slow ones included.
 test-all: $(STAMP)
-	$(CPU_TEST) JAX_FLASH_SLOW=1 $(PY) -m pytest -q
+	JAX_FLASH_SLOW=1 $(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(PY) -m experiments.demo
@@ -85,7 +81,7 @@ SEEDS ?= 100
 .PHONY: test-sweep
 test-sweep: $(STAMP)
 	mkdir -p out
-	$(CPU_TEST) nice $(PY) -m pytest -q -p no:cacheprovider --sweep-seeds $(SEEDS) --sweep-out out/sweep-seeds.md tests
-	@if [ -n "$(PY312)" ]; then $(MAKE) --no-print-directory $(STAMP11) && $(CPU_TEST) nice $(VENV11)/bin/python -m pytest -q \
+	nice $(PY) -m pytest -q -p no:cacheprovider --sweep-seeds $(SEEDS) --sweep-out out/sweep-seeds.md tests
+	@if [ -n "$(PY312)" ]; then $(MAKE) --no-print-directory $(STAMP11) && nice $(VENV11)/bin/python -m pytest -q \
 	  -p no:cacheprovider --sweep-seeds $(SEEDS) --sweep-out out/sweep-seeds-mosaic.md \
 	  tests/test_forward_mosaic.py tests/test_backward_mosaic.py; fi
