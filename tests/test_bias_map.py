@@ -46,7 +46,8 @@ def test_bias_rows_split_ties(rng):
         assert len(set(np.flatnonzero(s[i] == s[i].max()) // 64)) == 3
 
 
-@pytest.mark.parametrize("policy", ["paper", "fa2", "fa2_sr", "paper_sr"])
+@pytest.mark.parametrize("policy", ["paper", pytest.param("fa2", marks=pytest.mark.slow), "fa2_sr",
+                                    pytest.param("paper_sr", marks=pytest.mark.slow)])
 def test_kernel_runner_is_jax_flash_attention(rng, policy):
     """The map's single-row tile loop computes what jax_flash.attention returns."""
     _, (q, k, v) = cell(rng, policy, rows=64)

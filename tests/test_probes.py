@@ -330,6 +330,7 @@ _dq_plus_eps_q.defvjp(_dq_plus_eps_q_fwd, _dq_plus_eps_q_bwd)
 G.register_attention("test_dq_plus_eps_q", lambda q, k, v, spec: _dq_plus_eps_q(q, k, v))
 
 
+@pytest.mark.slow  # experiment tooling, 20–30 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_wq_gradient_error_along_wq(rng):
     """``wq_grad_err``: a planted backward error dQ_lp = dQ + EPS·q on heads 0, 1 of layer 1 gives
     ⟨W_Q, Δg⟩ = EPS·Σ q² on exactly those heads (exact FP32 attention elsewhere: ≈ 0), and

@@ -655,6 +655,7 @@ def test_recorded_data_order_replays_the_run(tmp_path):
     assert [m["loss"] for m in T.read_metrics(tmp_path / "other")] != [m["loss"] for m in a]
 
 
+@pytest.mark.slow  # experiment tooling, 20–30 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_replicate_nudges_the_init_by_one_ulp_and_is_repeatable(tmp_path):
     """``replicate=k``: the same init up to one ulp per parameter, so the run parts from replicate 0
     within a few steps, while two runs of one replicate stay bitwise equal (on CPU; on the GPU under

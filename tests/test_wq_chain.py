@@ -46,7 +46,7 @@ def test_delta_error_enters_as_minus_eps_times_mean_score(rng):
     np.testing.assert_allclose(parts["own"], np.sum(ds * s, axis=1), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("arm", ["fa2", "fa2-stable-dpp", "paper-stable"])
+@pytest.mark.parametrize("arm", [pytest.param("fa2", marks=pytest.mark.slow), "fa2-stable-dpp", "paper-stable"])
 def test_backward_runner_is_jax_flash_gradient(rng, record_bound, monkeypatch, arm):
     """The single-row loop computes jax_flash.attention's dQ (and the kernel's δ agrees with its O)."""
     from experiments import arms

@@ -118,6 +118,7 @@ def test_a_revision_before_launch_gets_its_entry_through_override(monkeypatch):
                     ("force", True), ("attention", dict(causal=False, policy="paper", stable=False))]
 
 
+@pytest.mark.slow  # an archived revision imported and timed end to end
 def test_ab_times_an_archived_revision_beside_the_working_tree(tmp_path):
     """lab.ab imports ``jax_flash/`` of a git revision as its own package (not the working tree's
     modules under another name) and times every variant of one case in one interleaved run; the

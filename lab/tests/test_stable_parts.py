@@ -21,7 +21,7 @@ def tied_inputs(seed, shape):
     return tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
 
 
-@pytest.mark.parametrize("impl", ["jnp", "pallas"])  # pallas: the Triton kernel, interpreted
+@pytest.mark.parametrize("impl", ["jnp", pytest.param("pallas", marks=pytest.mark.slow)])  # pallas: interpreted
 def test_diagnostic_forms_replace_their_part(impl):
     """On tied rows: "per-row only" never shifts (the baseline's O), "count only" shifts (O differs
     from the baseline's), and tile.py is itself again afterwards (the stable form shifts)."""

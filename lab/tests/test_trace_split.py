@@ -59,6 +59,7 @@ def test_overlapping_kernels_count_once_in_busy_time():
     assert r["idle_ms"] == pytest.approx(0.040) and r["wait_ms"] == pytest.approx(0.010)
 
 
+@pytest.mark.slow  # a profiled run end to end
 def test_capture_on_cpu_sees_every_call(tmp_path):
     """On a CPU the trace has the host calls but no GPU events: rows without kernels, one per call."""
     out = tmp_path / "t.json"
