@@ -20,14 +20,10 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[train,data,test]"
 	touch $(STAMP)
 
-# XLA compiles the CPU tests with LLVM's optimisation level 1: no bit differs from the default level
-# (`python -m lab.flag_bits --flag=--xla_backend_optimization_level=1`), compilation is a little faster.
-CPU_TEST := XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS"
-
 # Tests run in two processes (-n 2; an idle one takes queued tests from the other): each test is
 # deterministic, so the pass/fail list is the same whichever process runs it.
 test: $(STAMP)
-	$(CPU_TEST) $(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q -n 2 --dist worksteal
 	@if [ -n "$(PY312)" ]; then $(MAKE) --no-print-directory test-mosaic; \
 	else echo "no python3.12 here: the Mosaic GPU interpreter tests did not run"; fi
 
@@ -41,12 +37,12 @@ $(STAMP11):
 # The Mosaic GPU kernels under jax 0.11.2: the whole kernel interpreted, races checked; and the
 # lab's op counter of the Mosaic forward (it lowers for CUDA on a CPU from jax 0.11 on)
 test-mosaic: $(STAMP11)
-	$(CPU_TEST) $(VENV11)/bin/python -m pytest -q -n 2 --dist worksteal tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
+	$(VENV11)/bin/python -m pytest -q -n 2 --dist worksteal tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
 	  lab/tests/test_mosaic_ops.py
 
 # Every test, slow ones included.
 test-all: $(STAMP)
-	$(CPU_TEST) JAX_FLASH_SLOW=1 $(PY) -m pytest -q
+	JAX_FLASH_SLOW=1 $(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(PY) -m experiments.demo
