@@ -240,7 +240,9 @@ def test_interpreted_kernels_match_triton_and_jnp(rng, assert_close, shape, caus
 
 
 @needs_interpreter
-@pytest.mark.parametrize("kv_heads,causal", [(2, True), pytest.param(1, False, marks=pytest.mark.slow)],
+# GQA with a window runs by default (test_interpreted_window_kernels); these with JAX_FLASH_SLOW=1
+@pytest.mark.parametrize("kv_heads,causal", [pytest.param(2, True, marks=pytest.mark.slow),
+                                            pytest.param(1, False, marks=pytest.mark.slow)],
                          ids=["gqa-causal", "mqa-full"])
 def test_interpreted_gqa_kernels(rng, assert_close, kv_heads, causal):
     """GQA/MQA: four query heads on ``kv_heads`` key/value heads. dQ bitwise the kernel's own on K

@@ -259,6 +259,7 @@ def test_targets_table_from_records(tmp_path):
     assert "| +3.0 % (+3.0 … +3.0) |" in bench.targets(paired)
 
 
+@pytest.mark.slow  # experiment tooling, 5–15 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_tune_one_searches_launches_on_cpu(monkeypatch):
     """bench.tune's search on a tiny shape with one Triton launch (the kernels run interpreted, so
     the times mean nothing here): forward candidates on the forward pass, then backward ones on

@@ -110,6 +110,7 @@ def test_sr_removes_the_accumulator_and_final_rounding_bias(rng):
     assert abs(paper_sr_all["o_free_t"]) < 5 and abs(paper_sr_all["o_tie_t"]) < 5
 
 
+@pytest.mark.slow  # experiment tooling, 5–15 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_quick_csv(tmp_path):
     results = bm.main(["--quick", "--out", str(tmp_path), "--rows", "128"])
     with open(tmp_path / "bias_map.csv") as f:

@@ -141,7 +141,7 @@ def _flash_available():
         pytest.skip("jax_flash.attention missing")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_attention_variants_agree_in_model(dtype):
     ref = _logits_for("standard", dtype)
     scale = np.abs(ref).max()

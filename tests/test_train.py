@@ -308,6 +308,7 @@ def test_grad_accumulation_matches_big_batch():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * upd + ulp)
 
 
+@pytest.mark.slow  # experiment tooling, 5–15 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_muon_partition_and_step():
     cfg = micro_cfg("/unused", "optim.name=muon", "optim.muon_lr=0.02")
     graphdef, state, step = _setup(cfg)

@@ -82,6 +82,7 @@ def test_backward_runner_is_jax_flash_gradient(rng, record_bound, monkeypatch, a
     record_bound(row_err, bound, "dQ row")
 
 
+@pytest.mark.slow  # experiment tooling, 5–15 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_run_separates_delta_fixes_from_the_baseline(rng, monkeypatch):
     """Two arms, one cell: the baseline's tied rows carry a W_Q-gradient error through δ (t ≫ 2 with
     tiny remainders), δ = dpp's δ part is ~0 (orders of magnitude smaller), and the CSV/markdown rows
