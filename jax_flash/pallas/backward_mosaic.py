@@ -218,17 +218,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
 
         def one_head(i, carry):  # query head head·g + i: its n_steps query blocks
             base = i * n_steps
-            if cfg.causal or cfg.window is not None:  # above the diagonal, a window's upper edge
-                lax.fori_loop(p_lo, lo, functools.partial(skip, base=base), None)
-                carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True, base=base),
-                                      carry)
-            carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False, base=base),
-                                  carry)
-            if cfg.window is not None:  # the window's lower edge (without one, full_hi = hi = p_hi)
-                carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True, base=base),
-                                      carry)
-                lax.fori_loop(hi, p_hi, functools.partial(skip, base=base), None)
-            return carry
+            # above the diagonal, a window's upper edge; the window's lower edge (without one,
+            # full_hi = hi = p_hi)
+            return mosaic_common.visit_tiles(
+                functools.partial(step, base=base), functools.partial(skip, base=base), carry,
+                (p_lo, p_hi), (lo, full_lo, full_hi, hi),
+                masked_first=cfg.causal or cfg.window is not None, masked_last=cfg.window is not None)
 
         zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
         carry = (zeros, zeros)
@@ -418,13 +413,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
         dq = jnp.zeros((rq, d), jnp.float32)
         dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
-        if cfg.window is not None:  # a window's left edge (without one, p_lo = lo = full_lo = 0)
-            lax.fori_loop(p_lo, lo, skip, None)
-            dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
-        dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
-        if cfg.causal or cfg.window is not None:  # the diagonal or the window's right edge
-            dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
-            lax.fori_loop(hi, p_hi, skip, None)
+        # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
+        # window's right edge
+        dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
+                                       masked_first=cfg.window is not None,
+                                       masked_last=cfg.causal or cfg.window is not None)
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])

@@ -165,13 +165,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             take_turn()
 
         carry = tile.init_carry(ROWS_PER_WG, d, cfg)
-        if cfg.window is not None:  # a window's left edge (without one, p_lo = lo = full_lo = 0)
-            lax.fori_loop(p_lo, lo, skip, None)
-            carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-        if cfg.causal or cfg.window is not None:  # the diagonal or the window's right edge
-            carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-            lax.fori_loop(hi, p_hi, skip, None)
+        # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
+        # window's right edge
+        carry = mosaic_common.visit_tiles(step, skip, carry, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
+                                          masked_first=cfg.window is not None,
+                                          masked_last=cfg.causal or cfg.window is not None)
         pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
 
         o, lse = tile.finish(carry, cfg)

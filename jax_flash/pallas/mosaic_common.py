@@ -6,6 +6,7 @@ any JAX it supports (0.10.2 on CPU); the kernels are written against jax 0.11.2'
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -60,6 +61,24 @@ class Stream(NamedTuple):
     ready: object  # barriers [stages]: the TMA of tile j arrives on ready[j % stages]
     free: object | None  # barriers [stages] the consumers release a slot on; None: an earlier
     # stream's free barrier already covers this slot
+
+
+def visit_tiles(step, skip, carry, program, bounds, *, masked_first: bool, masked_last: bool):
+    """A consumer's walk over the program's tiles ``program = (p_lo, p_hi)``: with
+    ``bounds = (lo, full_lo, full_hi, hi)``, tiles [p_lo, lo) and [hi, p_hi) only release their ring
+    slot (``skip(j, None)``), [lo, full_lo) and [full_hi, hi) run ``step(j, carry, masked=True)``,
+    [full_lo, full_hi) ``masked=False``. ``masked_first`` / ``masked_last``: whether the leading /
+    trailing edge can hold masked or unseen tiles at all (without, those loops are not emitted)."""
+    p_lo, p_hi = program
+    lo, full_lo, full_hi, hi = bounds
+    if masked_first:
+        lax.fori_loop(p_lo, lo, skip, None)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    if masked_last:
+        carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+        lax.fori_loop(hi, p_hi, skip, None)
+    return carry
 
 
 def stream_ring(streams, stages: int, n):
