@@ -57,9 +57,10 @@ def make_qkv(rng, shape, dtype=BF16, n=3):
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(n))
 
 
-def tied_inputs(rng, shape, dtype=BF16, score=8.0, pairs=((3, 5),)):
+def tied_inputs(rng, shape, dtype=BF16, score=8.0, pairs=((3, 5),), dominant=None):
     """Random inputs whose queries all point along one direction, and pairs of identical keys along
-    it: every row that sees a pair has a tied maximum of about ``score``."""
+    it: every row that sees a pair has a tied maximum of about ``score``. ``dominant``: a key that
+    many times as strong at row 600 (the keys below it then have subnormal P̄: flush-to-zero exps)."""
     q, k, v = (np.asarray(rng.standard_normal(shape), np.float32) for _ in range(3))
     d = shape[-1]
     direction = rng.standard_normal(d).astype(np.float32)
@@ -69,6 +70,8 @@ def tied_inputs(rng, shape, dtype=BF16, score=8.0, pairs=((3, 5),)):
     for a, b in pairs:
         k[:, a] = key
         k[:, b] = key
+    if dominant is not None:
+        k[:, 600] = key * dominant
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 

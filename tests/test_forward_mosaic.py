@@ -33,10 +33,6 @@ def make_cfg(t, d, *, causal=True, stable=False, block_k=64, beta=2.0, scale_lat
                          kv_len=t, scale_late=scale_late)
 
 
-def tied_qkv(rng, shape, score=8.0, pairs=((3, 5),)):
-    return tied_inputs(rng, shape, score=score, pairs=pairs)
-
-
 # ------------------------------------------------------------------------------ tile arithmetic
 def _score_tile(rng, bq=16, bk=32):
     """Scores with every stable_shift branch: tied maxima > 0 (β·r_m), folded (β·r_m far past the
@@ -219,7 +215,7 @@ def check_interpreted(assert_close, q, k, v, cfg):
 def test_interpreted_kernel_matches_triton_and_jnp(rng, assert_close, shape, block_k, causal, stable):
     """The whole kernel (TMA ring, barriers, ping-pong, causal skipping) interpreted with race
     detection."""
-    q, k, v = tied_qkv(rng, shape, pairs=((3, 5), (130, 140)))
+    q, k, v = tied_inputs(rng, shape, pairs=((3, 5), (130, 140)))
     check_interpreted(assert_close, q, k, v, make_cfg(shape[1], shape[-1], causal=causal,
                                                      stable=stable, block_k=block_k))
 
@@ -230,7 +226,7 @@ def test_interpreted_scale_late(rng, assert_close, stable):
     """``Numerics.scale_late`` inside the kernel (the accumulator's unscaled scores: the row max
     scaled after the reduction, the tie threshold divided by the scale, scale·s − m in the exps)."""
     shape = (1, 256, 2, 64)
-    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (130, 140)))
+    q, k, v = tied_inputs(rng, shape, score=20.0, pairs=((3, 5), (130, 140)))
     check_interpreted(assert_close, q, k, v, make_cfg(256, 64, stable=stable, scale_late=True))
 
 
@@ -239,7 +235,7 @@ def test_interpreted_stable_shifts_tie_rows(rng, assert_close):
     """stable=True on tied rows: the kernel's O differs from its unshifted O on those rows (the
     shift ran inside the kernel) and matches the other executors'."""
     shape = (1, 256, 1, 64)
-    q, k, v = tied_qkv(rng, shape, score=20.0)
+    q, k, v = tied_inputs(rng, shape, score=20.0)
     o_s = check_interpreted(assert_close, q, k, v, make_cfg(256, 64, stable=True))
     o_b = f64(_interpreted(q, k, v, make_cfg(256, 64, stable=False))[0])
     assert np.any(o_s[:, 5:64] != o_b[:, 5:64])
@@ -252,7 +248,7 @@ def test_interpreted_gqa_reads_the_groups_kv_head(rng, kv_heads):
     bitwise the kernel's own on K and V repeated to four heads (a query head computes the same
     arithmetic on the same values wherever its K and V come from). Stable, on tied rows."""
     shape, g = (1, 256, 4, 64), 4 // kv_heads
-    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (130, 140)))
+    q, k, v = tied_inputs(rng, shape, score=20.0, pairs=((3, 5), (130, 140)))
     k, v = k[:, :, ::g], v[:, :, ::g]
     cfg = make_cfg(256, 64, stable=True)
     ours = _interpreted(q, k, v, dataclasses.replace(cfg, groups=g))
@@ -272,7 +268,7 @@ def test_interpreted_window(rng, assert_close, window, causal):
     inside the windows), and O against the kernel's own unwindowed output where the window hides
     nothing (the first rows of a causal sliding window)."""
     shape = (1, 384, 1, 64)
-    q, k, v = tied_qkv(rng, shape, score=20.0, pairs=((3, 5), (250, 255)))
+    q, k, v = tied_inputs(rng, shape, score=20.0, pairs=((3, 5), (250, 255)))
     cfg = dataclasses.replace(make_cfg(384, 64, causal=causal, stable=True), window=window)
     pf = importlib.import_module("jax_flash.pallas.forward")
     o, lse = _interpreted(q, k, v, cfg)

@@ -16,6 +16,7 @@ import pytest
 
 import jax_flash as jf
 from jax_flash.pallas import tuning
+from helpers import tied_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -38,22 +39,8 @@ def randn(seed, shape, dtype=BF16):
 
 
 def tied_qkv(seed, shape, score=20.0, pairs=((3, 5), (300, 301)), dominant=None):
-    """Inputs whose queries point along one direction, with pairs of identical keys along it (rows
-    that see a pair have a tied maximum of about ``score``), and optionally a key ``dominant`` times
-    as strong at row 600 (the keys below it then have subnormal P̄: the flush-to-zero exps)."""
-    rng = np.random.default_rng(seed)
-    q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
-    d = shape[-1]
-    direction = rng.standard_normal(d).astype(np.float32)
-    direction /= np.linalg.norm(direction)
-    q = q * 0.3 + direction * 4.0
-    key = direction * score * np.sqrt(d) / 4.0
-    for a, b in pairs:
-        k[:, a] = key
-        k[:, b] = key
-    if dominant is not None:
-        k[:, 600] = key * dominant
-    return tuple(jnp.asarray(x, BF16) for x in (q, k, v))
+    return tied_inputs(np.random.default_rng(seed), shape, score=score, pairs=pairs,
+                       dominant=dominant)
 
 
 def fwd_bwd(q, k, v, do, **kw):
