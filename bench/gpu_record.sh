@@ -36,9 +36,9 @@ if [[ " $parts " == *" step "* ]]; then
   # fa2, fa2-stable, cuDNN and nanoGPT's own step at micro-batches 32 and 16, each run a process of
   # its own, fa2-stable at 32 profiled; runs that would not end within STEP_BUDGET are skipped (the
   # fa2-stable / nanoGPT pairs come first), and the results file is complete after every run
-  # STEP_ARMS: the arms timed (default: also fa2-stable with bf16 logits, a named option)
+  # STEP_ARMS: the arms timed (default: also fa2-stable with bf16 logits or a bf16 head gradient, named options)
   timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch 32,16 \
-    --arms "${STEP_ARMS:-fa2,fa2-stable,cudnn,fa2-stable[model.logits_dtype=bfloat16]}" \
+    --arms "${STEP_ARMS:-fa2,fa2-stable,cudnn,fa2-stable[model.logits_dtype=bfloat16],fa2-stable[model.head_grad_dtype=bfloat16]}" \
     --primary fa2-stable --nanogpt third_party/nanoGPT \
     --profile "$OUT/profile" --budget "${STEP_BUDGET:-520}" \
     --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r

@@ -40,6 +40,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "l6": ("model.n_layer=6",),
     "l4": ("model.n_layer=4",),
     "bf16-logits": ("model.logits_dtype=bfloat16",),
+    # the head's backward GEMMs in bf16, FP32 logits and loss (a faster step, screened for the runaway)
+    "bf16-head-grad": ("model.head_grad_dtype=bfloat16",),
 }
 
 WINDOW = 50  # steps in the running mean of the loss

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,6 +105,10 @@ class GPTConfig:
     # "float32": logits leave the head's matmul in FP32; "bfloat16": rounded to bf16 first, as nanoGPT's
     # lm_head output is under bf16 autocast (the loss is FP32 either way).
     logits_dtype: str = "float32"
+    # the dtype the logits' gradient is rounded to before the head's two backward GEMMs: "float32"
+    # keeps autodiff's (FP32 GEMMs, TF32 on a GPU at default precision); "bfloat16" runs them in bf16
+    # as nanoGPT's do, with the forward — logits and loss — unchanged
+    head_grad_dtype: str = "float32"
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
     # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
@@ -117,7 +122,7 @@ class GPTConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"{name} must be an integer > 0, got {v!r}")
-        for name in ("dtype", "param_dtype", "logits_dtype"):
+        for name in ("dtype", "param_dtype", "logits_dtype", "head_grad_dtype"):
             try:
                 ok = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
             except TypeError:
@@ -400,13 +405,43 @@ class GPT(nnx.Module):
         # the head's output dtype: FP32, or bf16 as autocast makes it — then the gradient of the
         # logits is bf16 too and the head's backward GEMMs run in bf16, as nanoGPT's do
         out_dt = _dt(cfg.logits_dtype)
-        logits = jnp.einsum(
-            "btd,vd->btv",
-            x.astype(dt),
-            self.wte.embedding[...].astype(dt),
-            preferred_element_type=jnp.float32 if out_dt == jnp.float32 else out_dt,
-        ).astype(jnp.float32)
+        grad_dt = _dt(cfg.head_grad_dtype)
+        x, w = x.astype(dt), self.wte.embedding[...].astype(dt)
+        if grad_dt == jnp.float32:
+            logits = _head_logits(x, w, out_dt)
+        else:
+            logits = _head_rounded_grad(x, w, out_dt, grad_dt)
         return (logits, captures) if return_intermediates else logits
+
+
+def _head_logits(x, w, out_dt):
+    """The tied head: ``x`` [b, t, d] times ``w`` [vocab, d] in the compute dtype, FP32 logits."""
+    return jnp.einsum("btd,vd->btv", x, w,
+                      preferred_element_type=jnp.float32 if out_dt == jnp.float32 else out_dt
+                      ).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _head_rounded_grad(x, w, out_dt, grad_dt):
+    """``_head_logits`` whose backward rounds the logits' gradient to ``grad_dt`` before the two
+    GEMMs (FP32 accumulation), the head's ``head_grad_dtype`` option."""
+    return _head_logits(x, w, out_dt)
+
+
+def _head_rounded_grad_fwd(x, w, out_dt, grad_dt):
+    return _head_logits(x, w, out_dt), (x, w)
+
+
+def _head_rounded_grad_bwd(out_dt, grad_dt, res, g):
+    x, w = res
+    # the gradient reaching the head's output dtype first, as autodiff's would
+    g = g.astype(out_dt).astype(grad_dt)
+    dx = jnp.einsum("btv,vd->btd", g, w.astype(grad_dt), preferred_element_type=jnp.float32)
+    dw = jnp.einsum("btv,btd->vd", g, x.astype(grad_dt), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_head_rounded_grad.defvjp(_head_rounded_grad_fwd, _head_rounded_grad_bwd)
 
 
 def cross_entropy(logits, targets):

@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -295,8 +296,43 @@ def test_bf16_logits_option_rounds_like_autocast():
     m16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))
     g16 = nnx.grad(loss)(m16)
     g32 = nnx.grad(loss)(GPT(cfg, rngs=nnx.Rngs(0)))
-    assert g16.wte.embedding.value.dtype == jnp.float32
-    assert np.any(np.asarray(g16.wte.embedding.value) != np.asarray(g32.wte.embedding.value))
+    assert g16.wte.embedding[...].dtype == jnp.float32
+    assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
+
+
+def test_head_grad_option_rounds_only_the_logits_gradient(rng):
+    """model.head_grad_dtype="bfloat16": logits and loss bit-identical to the default; the head's
+    input and weight gradients are exactly the two GEMMs of the bf16-rounded logit gradient (FP32
+    accumulation), where the default's differ from them."""
+    import dataclasses
+
+    bf16 = jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((2, 16, 32)), bf16)
+    w = jnp.asarray(rng.standard_normal((128, 32)), bf16)
+    c = jnp.asarray(rng.standard_normal((2, 16, 128)), jnp.float32)
+    out, vjp = jax.vjp(lambda x, w: gpt2._head_rounded_grad(x, w, jnp.float32, bf16), x, w)
+    ref, ref_vjp = jax.vjp(lambda x, w: gpt2._head_logits(x, w, jnp.float32), x, w)
+    chex.assert_trees_all_equal(out, ref)
+    cb = c.astype(bf16)
+    want = (jnp.einsum("btv,vd->btd", cb, w, preferred_element_type=jnp.float32).astype(bf16),
+            jnp.einsum("btv,btd->vd", cb, x, preferred_element_type=jnp.float32).astype(bf16))
+    got = vjp(c)
+    chex.assert_trees_all_equal(got, want)
+    chex.assert_trees_all_equal_dtypes(got, (x, w))
+    default = ref_vjp(c)
+    assert any(np.any(np.asarray(a, np.float32) != np.asarray(b, np.float32))
+               for a, b in zip(default, want))
+
+    # in the model: the same loss, other gradients
+    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    idx = jnp.arange(16, dtype=jnp.int32)[None] % 128
+    loss = lambda m: gpt2.cross_entropy(m(idx), idx)
+    opt = dataclasses.replace(cfg, head_grad_dtype="bfloat16")
+    l32, g32 = nnx.value_and_grad(loss)(GPT(cfg, rngs=nnx.Rngs(0)))
+    l16, g16 = nnx.value_and_grad(loss)(GPT(opt, rngs=nnx.Rngs(0)))
+    chex.assert_trees_all_equal(l16, l32)
+    assert g16.wte.embedding[...].dtype == jnp.float32
+    assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
 
 
 def test_layer_norm_keeps_digits_when_features_share_a_large_offset(rng):
