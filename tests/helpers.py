@@ -323,6 +323,18 @@ def grad_bounds(q, k, v, do, cfg, *, out_dtype=None):
     return fin(dq, err_dq), fin(dk, err_dk), fin(dv, err_dv)
 
 
+def rel(a, b):
+    """‖a − b‖ / ‖b‖ in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def lse_bound(terms, lse):
+    """|L̃ − L|: ℓ's relative error (o_bound's row term) plus FP32 roundings of m + log ℓ."""
+    den = terms["den"][..., 0].transpose(0, 2, 1)  # [B, H, Q]
+    return -np.log1p(-np.minimum(den, 0.5)) + 8 * 2.0 ** -24 * (np.abs(lse) + 1)
+
+
 def reference_outputs(q, k, v, do, cfg):
     """float64 (O, dQ, dK, dV) of the exact attention of these inputs."""
     return jf.reference_numpy(q, k, v, do, causal=cfg.causal, sm_scale=cfg.sm_scale)
@@ -339,12 +351,14 @@ class Tokens:
         self.train, self.val, self.meta = np.tile(doc, 4), doc[: n // 3].copy(), {}
 
 
+# the smallest training config the training tests run: 2 layers of 64 wide, 8 steps (on tiny-cpu)
+MICRO = ["model.vocab_size=512", "model.n_layer=2", "model.n_head=4", "model.n_embd=64",
+         "model.block_size=32", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=1e-2",
+         "max_steps=8", "eval_every=4", "data.eval_batches=2", "progress=false"]
+
+
 def micro_cfg(run_dir, *extra):
-    """The smallest training config the training tests run: 2 layers of 64 wide, 8 steps."""
+    """``MICRO`` on the tiny-cpu preset, writing to ``run_dir``."""
     from train import config as C
 
-    return C.apply_overrides(C.get_preset("tiny-cpu"), [
-        "model.vocab_size=512", "model.n_layer=2", "model.n_head=4", "model.n_embd=64",
-        "model.block_size=32", "data.batch_size=4", "optim.warmup_steps=2", "optim.lr=1e-2",
-        "max_steps=8", "eval_every=4", "data.eval_batches=2", "progress=false", f"run_dir={run_dir}",
-        *extra])
+    return C.apply_overrides(C.get_preset("tiny-cpu"), [*MICRO, f"run_dir={run_dir}", *extra])

@@ -15,6 +15,8 @@ import jax_flash as jf
 from jax_flash import api, tile
 from jax_flash.pallas import backward_mosaic, forward_mosaic
 
+from helpers import rel
+
 BF16 = jnp.bfloat16
 TILES = dict(block_q=16, block_k=16)  # several tiles per row at these lengths
 U_BF16 = 2.0 ** -8  # BF16 unit roundoff (half its ulp at 1)
@@ -22,11 +24,6 @@ U_BF16 = 2.0 ** -8  # BF16 unit roundoff (half its ulp at 1)
 # the required bound for float32 inputs: ‖out − jax.nn‖ / ‖jax.nn‖; FP32 sums over ≤ 64 terms with
 # a few roundings each stay below 1e-6 on these shapes
 F32_REL = 2e-5
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def normal(rng, shape, dtype=jnp.float32):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, f64, jitted, o_bound, tied_inputs, ulp_of_max
+from helpers import BF16, f64, jitted, lse_bound, o_bound, tied_inputs, ulp_of_max
 from jax_flash import jnp_impl, spec, tile
 from jax_flash.pallas import forward_mosaic as fm
 from jax_flash.pallas import mosaic_common
@@ -168,11 +168,6 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
 needs_interpreter = pytest.mark.skipif(
     interpret_params() is None or jax.default_backend() == "gpu",
     reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
-
-
-def lse_bound(terms, lse):
-    den = terms["den"][..., 0].transpose(0, 2, 1)
-    return -np.log1p(-np.minimum(den, 0.5)) + 8 * 2.0 ** -24 * (np.abs(lse) + 1)
 
 
 def _interpreted(q, k, v, cfg):

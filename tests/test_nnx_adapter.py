@@ -13,13 +13,9 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 
 import jax_flash as jf  # noqa: E402
+from helpers import rel  # noqa: E402
 
 F32_REL = 2e-5  # as tests/test_dot_product_attention.py: FP32 sums over ≤ 64 terms stay below 1e-6
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def mha(attention_fn=None, **kw):

@@ -11,13 +11,8 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, attention_with_lse, f64, make_qkv, numerics, o_bound, tied_inputs
-
-
-def lse_bound(terms, lse):
-    """|L̃ − L|: ℓ's relative error (o_bound's row term) plus FP32 roundings of m + log ℓ."""
-    den = terms["den"][..., 0].transpose(0, 2, 1)  # [B, H, Q]
-    return -np.log1p(-np.minimum(den, 0.5)) + 8 * 2.0 ** -24 * (np.abs(lse) + 1)
+from helpers import (BF16, attention_with_lse, f64, lse_bound, make_qkv, numerics, o_bound,
+                     tied_inputs)
 
 
 def compare_forward(assert_close, q, k, v, launch=None, **kw):

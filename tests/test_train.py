@@ -23,40 +23,12 @@ from train import config as C
 from train import gpt2 as T
 from train.checkpoint import CheckpointError, CheckpointStore
 
+from helpers import MICRO, Tokens, micro_cfg
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-class Tokens:
-    """Stands in for train.data.TokenData: 1-D uint16 .train / .val."""
-
-    def __init__(self, vocab=512, n=3000, seed=0):
-        rng = np.random.default_rng(seed)
-        # a repeated document over an eighth of the vocabulary: the unigram is learnt in a few steps
-        doc = rng.integers(0, vocab // 8, size=n, dtype=np.uint16)
-        self.train, self.val, self.meta = np.tile(doc, 4), doc[: n // 3].copy(), {}
-
-
-MICRO = [
-    "model.vocab_size=512",
-    "model.n_layer=2",
-    "model.n_head=4",
-    "model.n_embd=64",
-    "model.block_size=32",
-    "data.batch_size=4",
-    "optim.warmup_steps=2",
-    "optim.lr=1e-2",
-    "max_steps=8",
-    "eval_every=4",
-    "data.eval_batches=2",
-    "progress=false",
-]
-
-
-def micro_cfg(run_dir, *extra):
-    return C.apply_overrides(C.get_preset("tiny-cpu"), [*MICRO, f"run_dir={run_dir}", *extra])
 
 
 def tokens_npz(path) -> Path:
@@ -602,7 +574,7 @@ def test_data_parallel_matches_single_device(tmp_path):
       import json, sys
       sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
       import jax
-      from test_train import Tokens, micro_cfg
+      from helpers import Tokens, micro_cfg
       from train import gpt2 as T
       n = jax.device_count()
       cfg = micro_cfg({str(tmp_path)!r} + f"/run{{n}}", "model.dtype=float32",
