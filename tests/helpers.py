@@ -52,6 +52,29 @@ def f64(x):
     return np.asarray(np.asarray(x, np.float32), np.float64)
 
 
+# ------------------------------------------------------------------------------ launch cases
+def launch_case_id(policy, causal, tiles, launch, delta=None):
+    """A readable test id, e.g. ``fa2-causal-16x32-bwd_block=64-split_diagonal-o``."""
+    fields = [k if v is True else f"{k}={v}" for k, v in sorted(launch.items())]
+    return "-".join([policy, "causal" if causal else "full", "x".join(map(str, tiles)), *fields,
+                     *([delta] if delta else [])])
+
+
+def default_and_slow(default, everything):
+    """Parametrisation: the ``default`` cases, then the rest of ``everything`` (each once) marked
+    ``slow``; ids from ``launch_case_id``."""
+    import pytest
+
+    seen, out = [], []
+    for case in [*default, *everything]:
+        if case in seen:
+            continue
+        marks = () if len(seen) < len(default) else pytest.mark.slow
+        seen.append(case)
+        out.append(pytest.param(*case, id=launch_case_id(*case), marks=marks))
+    return out
+
+
 # -------------------------------------------------------------------------------------------- inputs
 def make_qkv(rng, shape, dtype=BF16, n=3):
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(n))

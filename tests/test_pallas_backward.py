@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, grad_bounds, make_qkv, numerics, run, tied_inputs
+from helpers import BF16, default_and_slow, grad_bounds, make_qkv, numerics, run, tied_inputs
 
 backward = importlib.import_module("jax_flash.pallas.backward")  # the package exports its function
 
@@ -59,8 +59,7 @@ CASES_FAST = [(*LAUNCH_FAST[i], "o") for i in (1, 2, 3, 5, 7)] + [(*LAUNCH_FAST[
 CASES_ALL = [(*c, d) for c in LAUNCH_FAST + LAUNCH_ALL for d in ("o", "dpp")]
 
 
-@pytest.mark.parametrize("policy,causal,tiles,launch,delta", CASES_FAST + [
-    pytest.param(*c, marks=pytest.mark.slow) for c in CASES_ALL if c not in CASES_FAST])
+@pytest.mark.parametrize("policy,causal,tiles,launch,delta", default_and_slow(CASES_FAST, CASES_ALL))
 def test_launch_changes_no_gradient(rng, assert_close, policy, causal, tiles, launch, delta):
     """Resident blocks (dK/dV programs keeping ``bwd_block`` keys, dQ programs ``dq_block`` queries,
     over the same streamed tiles), mask-free loops and the prefetched L, δ rows: on tied rows under

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import (BF16, attention_with_lse, f64, lse_bound, make_qkv, numerics, o_bound,
-                     tied_inputs)
+from helpers import (BF16, attention_with_lse, default_and_slow, f64, lse_bound, make_qkv,
+                     numerics, o_bound, tied_inputs)
 
 
 def compare_forward(assert_close, q, k, v, launch=None, **kw):
@@ -68,9 +68,8 @@ LAUNCH_ALL = [(p, c, t, launch) for p in ("fa2", "paper", "fp32") for c in (True
 LAUNCH_DEFAULT = [LAUNCH_FAST[i] for i in (1, 3, 4)]
 
 
-@pytest.mark.parametrize("policy,causal,tiles,launch", LAUNCH_DEFAULT + [
-    pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(LAUNCH_FAST + LAUNCH_ALL)
-    if c not in LAUNCH_DEFAULT and c not in (LAUNCH_FAST + LAUNCH_ALL)[:i]])
+@pytest.mark.parametrize("policy,causal,tiles,launch",
+                         default_and_slow(LAUNCH_DEFAULT, LAUNCH_FAST + LAUNCH_ALL))
 def test_launch_changes_no_value(rng, assert_close, policy, causal, tiles, launch):
     """``Launch.split_diagonal`` (mask-free loops over the tiles below the causal diagonal and inside
     kv_len) and ``Launch.prefetch_scores`` (the next key tile's scores a loop step ahead): on tied
