@@ -7,6 +7,7 @@ arm's attention arguments (``attention_kwargs``); the PyTorch twin takes the ``t
 
     python -m experiments.arms            # list them
     python -m experiments.arms fa2-stable # one arm's overrides, one a line (for shell scripts)
+    python -m experiments.arms twin-args model.n_layer=6   # the PyTorch twin's arguments for overrides
 """
 
 from __future__ import annotations
@@ -73,10 +74,44 @@ def attention_kwargs(name: str) -> dict:
     return kw
 
 
+_TWIN_MODEL_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+_TWIN_FLAGS = {"optim.warmup_steps": "--warmup-steps", "data.batch_size": "--batch-size"}
+
+
+def twin_args(config_overrides) -> list[str]:
+    """The PyTorch twin's command-line arguments for a setting's config overrides (the model's
+    sizes, warmup steps, micro-batch); an override the twin cannot follow raises ValueError, so a
+    twin execution never runs another setting silently."""
+    import json
+
+    model, args = {}, []
+    for item in config_overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"not a KEY=VALUE override: {item!r}")
+        field = key.removeprefix("model.")
+        if key.startswith("model.") and field in _TWIN_MODEL_KEYS:
+            model[field] = int(value)
+        elif key in _TWIN_FLAGS:
+            args += [_TWIN_FLAGS[key], str(int(value))]
+        else:
+            raise ValueError(f"the PyTorch twin has no equivalent of {item!r} (it follows "
+                             f"{', '.join(['model.' + k for k in _TWIN_MODEL_KEYS] + list(_TWIN_FLAGS))})")
+    if model:
+        args = ["--model", json.dumps(model, separators=(",", ":"))] + args
+    return args
+
+
 def main(argv=None):
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["twin-args"]:  # twin-args OVERRIDE...: the PyTorch twin's arguments, one a line
+        try:
+            print("\n".join(twin_args(argv[1:])))
+        except ValueError as e:
+            sys.exit(str(e))
+        return
     if argv:
         try:
             print("\n".join(overrides(argv[0])))

@@ -36,3 +36,17 @@ def test_unknown_arm_suggests_the_nearest():
 def test_shell_form_prints_one_override_a_line(capsys):
     arms.main(["flash-l2-only"])
     assert capsys.readouterr().out.splitlines() == list(arms.ARMS["flash-l2-only"])
+
+
+def test_twin_args_follow_the_settings_it_can_and_refuse_the_rest():
+    """The PyTorch twin gets a setting's model sizes, warmup and micro-batch as its own flags; an
+    override it has no equivalent for is refused, never dropped."""
+    from experiments import search
+
+    assert arms.twin_args(search.overrides("l6")) == ["--model", '{"n_layer":6}']
+    assert arms.twin_args(["model.n_layer=4", "data.batch_size=16", "optim.warmup_steps=250"]) == [
+        "--model", '{"n_layer":4}', "--batch-size", "16", "--warmup-steps", "250"]
+    assert arms.twin_args([]) == []
+    for item in ("model.logits_dtype=bfloat16", "optim.lr=2e-3", "model.n_layer"):
+        with pytest.raises(ValueError, match="twin has no equivalent|not a KEY=VALUE"):
+            arms.twin_args([item])

@@ -12,8 +12,9 @@
 #      TIED=1 first runs the kernel-level tied-row comparison with PyTorch flash;
 #      COMPARE_AT=1000,2000 compares with PyTorch flash on the model's tensors at those steps;
 #      PRESET=NAME: the train/config.py preset the arms modify (default small-gpu);
-#      VARIANT=NAME OVERRIDES="model.n_layer=6 ..." runs every arm with these config overrides (JAX
-#      arms only), kept apart under $RUNS/NAME/ and $OUT/repro-NAME/;
+#      VARIANT=NAME OVERRIDES="model.n_layer=6 ..." runs every arm with these config overrides (the
+#      PyTorch twin follows model sizes, warmup and micro-batch: experiments.arms twin_args; it refuses
+#      others), kept apart under $RUNS/NAME/ and $OUT/repro-NAME/;
 #      DEADLINE=EPOCH_S (set by lanes.sh) shortens each arm's limit so that the last one ends by then.
 #      SNAP_STEPS=3000,4000 saves L1's q, k, v, dO (one probe sequence, all heads: ~6 MiB a step) at
 #      those steps and copies them to $OUT/repro/<run>/, for experiments/real_chain.py on a CPU —
@@ -46,7 +47,10 @@ for spec in "$@"; do
     [ "$lim" -lt 90 ] && { echo "$name: skipped, ${lim}s left before the deadline"; continue; }
   fi
   if [[ "$arm" == torch-* ]]; then
-    timeout "$lim" python3 -m experiments.gpu.torch_train --arm "$arm" --seed "$seed" \
+    twin=$(python3 -m experiments.arms twin-args "${EXTRA[@]}") \
+      || { echo "$name: skipped (the PyTorch twin cannot follow OVERRIDES)"; continue; }
+    TWIN=(); [ -n "$twin" ] && mapfile -t TWIN <<< "$twin"
+    timeout "$lim" python3 -m experiments.gpu.torch_train --arm "$arm" --seed "$seed" "${TWIN[@]}" \
       --steps "$steps" --probe-every 250 --data data/full.npz --out "$RUNS" \
       --max-seconds $((lim - 45)) >> "$RUNS/$name.log" 2>&1
   else
