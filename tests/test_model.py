@@ -179,7 +179,7 @@ def test_flash_gradients_match_standard_fp32():
         p = nnx.to_pure_dict(p)
         f = lambda p: cross_entropy(nnx.merge(graphdef, p)(idx), jnp.roll(idx, -1, 1))
         with jax.default_matmul_precision("highest"):
-            grads[kind] = jax.grad(f)(p)
+            grads[kind] = jax.jit(jax.grad(f))(p)
     for a, b in zip(jax.tree.leaves(grads["standard"]), jax.tree.leaves(grads["flash"])):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(a).max()) + 1e-9)
 
@@ -285,8 +285,9 @@ def test_bf16_logits_option_rounds_like_autocast():
 
     cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=32)
     idx = jnp.arange(16, dtype=jnp.int32)[None] % 128
-    f32 = GPT(cfg, rngs=nnx.Rngs(0))(idx)
-    b16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))(idx)
+    logits = nnx.jit(lambda m: m(idx))
+    f32 = logits(GPT(cfg, rngs=nnx.Rngs(0)))
+    b16 = logits(GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0)))
     assert f32.dtype == b16.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(b16), np.asarray(f32.astype(jnp.bfloat16), np.float32))
     assert np.any(np.asarray(b16) != np.asarray(f32))
@@ -294,8 +295,9 @@ def test_bf16_logits_option_rounds_like_autocast():
     # option the head's weight gradient is that of the bf16-rounded logit gradient
     loss = lambda m: gpt2.cross_entropy(m(idx), idx)
     m16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))
-    g16 = nnx.grad(loss)(m16)
-    g32 = nnx.grad(loss)(GPT(cfg, rngs=nnx.Rngs(0)))
+    grad = nnx.jit(nnx.grad(loss))
+    g16 = grad(m16)
+    g32 = grad(GPT(cfg, rngs=nnx.Rngs(0)))
     assert g16.wte.embedding[...].dtype == jnp.float32
     assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
 
@@ -328,8 +330,9 @@ def test_head_grad_option_rounds_only_the_logits_gradient(rng):
     idx = jnp.arange(16, dtype=jnp.int32)[None] % 128
     loss = lambda m: gpt2.cross_entropy(m(idx), idx)
     opt = dataclasses.replace(cfg, head_grad_dtype="bfloat16")
-    l32, g32 = nnx.value_and_grad(loss)(GPT(cfg, rngs=nnx.Rngs(0)))
-    l16, g16 = nnx.value_and_grad(loss)(GPT(opt, rngs=nnx.Rngs(0)))
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
+    l32, g32 = value_and_grad(GPT(cfg, rngs=nnx.Rngs(0)))
+    l16, g16 = value_and_grad(GPT(opt, rngs=nnx.Rngs(0)))
     chex.assert_trees_all_equal(l16, l32)
     assert g16.wte.embedding[...].dtype == jnp.float32
     assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
