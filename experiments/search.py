@@ -4,6 +4,7 @@ does not: the settings screened, the criteria, and the verdict computed from raw
     python -m experiments.search settings                 # the registry of settings
     python -m experiments.search overrides SETTING        # its config overrides, one a line
     python -m experiments.search verdict RUN_DIR [...] [--md FILE]
+    python -m experiments.search count RUN_DIR [...] --seeds 0,2,3   # a reliability stage's decision
 
 A setting is a set of config overrides on a preset (default small-gpu); arms come from
 experiments/arms.py. The design of each stage — which settings, arms, seeds and steps, and what
@@ -125,6 +126,46 @@ def verdict(run_dirs) -> list[dict]:
     return rows
 
 
+STANDARD_CEILING = 100.0  # a standard execution at or above this layer-2 max logit fails the setting
+
+
+def count(rows, seeds, *, loss_need=6, runaway_need=7, futility_after=2) -> dict:
+    """A reliability stage's decision (results/search/stage4.md) from ``verdict`` rows: among the
+    ``fa2`` executions of ``seeds``, how many failed at the loss and how many ran away, whether a
+    ``standard`` execution failed (at the loss, or a last probe ≥ STANDARD_CEILING), and whether
+    the futility stop holds (``futility_after`` ``fa2`` executions with no loss failure and every
+    probe below STANDARD_CEILING, judged without the ``standard`` arm)."""
+    seeds = [str(x) for x in seeds]
+    by = {}
+    for r in rows:
+        arm, _, seed = r["run"].rpartition("-s")
+        by[(arm, seed)] = r
+    fa2 = [by[("fa2", x)] for x in seeds if ("fa2", x) in by]
+    std = [by[("standard", x)] for x in seeds if ("standard", x) in by]
+    loss = sum(r["loss_failure"] is not None for r in fa2)
+    runaway = sum(bool(r["runaway"]) for r in fa2)
+    judged = sum(r["ratio_to_standard"] is not None for r in fa2)
+    flat = sum(r["loss_failure"] is None and (r["max_probe"] or 0.0) < STANDARD_CEILING for r in fa2)
+    std_failed = [r["run"] for r in std if r["loss_failure"] is not None
+                  or (r["last_probe"] is not None and r["last_probe"][1] >= STANDARD_CEILING)]
+    n = len(seeds)
+    if std_failed:
+        decision = "the standard arm failed: no reproducer"
+    elif len(fa2) == n and len(std) == n and loss >= loss_need:
+        decision = "loss-failure reproducer"
+    elif len(fa2) == n and len(std) == n and runaway >= runaway_need:
+        decision = "runaway reproducer"
+    elif flat >= futility_after:
+        decision = "futility stop"
+    elif len(fa2) == n and len(std) == n:
+        decision = "neither"
+    else:
+        decision = "undecided"
+    return {"seeds": n, "fa2_made": len(fa2), "standard_made": len(std), "fa2_loss_failures": loss,
+            "fa2_runaways": runaway, "fa2_judged": judged, "fa2_flat": flat,
+            "standard_failed": std_failed, "decision": decision}
+
+
 def markdown(rows) -> str:
     num = lambda x, f="{:,.1f}": "—" if x is None else f.format(x)
     lines = ["| run | steps | loss failure at | mean loss, last 50 | L1 max logit, last probe | "
@@ -149,7 +190,15 @@ def main(argv=None):
     v = sub.add_parser("verdict")
     v.add_argument("runs", nargs="+")
     v.add_argument("--md", default=None)
+    c = sub.add_parser("count", help="a reliability stage's counts and decision (stage4.md)")
+    c.add_argument("runs", nargs="+")
+    c.add_argument("--seeds", required=True, help="comma-separated seeds of the stage, e.g. 0,2,3")
     args = ap.parse_args(argv)
+    if args.cmd == "count":
+        res = count(verdict(args.runs), args.seeds.split(","))
+        for key, value in res.items():
+            print(f"{key:18s} {value}")
+        return
     if args.cmd == "settings":
         for name, ovr in SETTINGS.items():
             print(f"{name:20s} {' '.join(ovr) or '(the preset)'}")

@@ -49,3 +49,36 @@ def test_every_setting_applies_to_the_preset():
 
     for name in search.SETTINGS:
         config.apply_overrides(config.get_preset("small-gpu"), search.overrides(name))
+
+
+def test_count_applies_the_reliability_rule(tmp_path):
+    """stage4.md's decision from the runs: futility from two flat fa2 executions before any standard
+    one; a runaway or loss-failure reproducer only with every execution made; a standard execution
+    at or above 100 (or failing at the loss) sinks the setting."""
+    flat = [(500, 40.0), (1000, 45.0)]
+    high = [(500, 40.0), (1000, 2000.0)]
+    fail = [3.0] * 600 + [6.0] * 400
+    ok = [3.0] * 1000
+    a = tmp_path / "a"
+    a.mkdir()
+    runs = [_run(a, "fa2-s0", ok, flat), _run(a, "fa2-s2", ok, flat), _run(a, "fa2-s3", ok, high)]
+    res = search.count(search.verdict(runs), [0, 2, 3, 4])
+    assert res["decision"] == "futility stop" and res["fa2_flat"] == 2 and res["standard_made"] == 0
+
+    b = tmp_path / "b"
+    b.mkdir()
+    runs = [_run(b, f"fa2-s{x}", fail if x == 0 else ok, high) for x in (0, 2, 3)]
+    runs += [_run(b, f"standard-s{x}", ok, [(500, 30.0), (1000, 30.0)]) for x in (0, 2)]
+    assert search.count(search.verdict(runs), [0, 2, 3], runaway_need=3)["decision"] == "undecided"
+    runs.append(_run(b, "standard-s3", ok, [(500, 30.0), (1000, 30.0)]))
+    res = search.count(search.verdict(runs), [0, 2, 3], runaway_need=3)
+    assert (res["fa2_runaways"], res["fa2_loss_failures"], res["decision"]) == (3, 1, "runaway reproducer")
+    assert search.count(search.verdict(runs), [0, 2, 3], loss_need=1)["decision"] == \
+        "loss-failure reproducer"
+    assert search.count(search.verdict(runs), [0, 2, 3])["decision"] == "neither"
+
+    c = tmp_path / "c"
+    c.mkdir()
+    runs = [_run(c, "fa2-s0", ok, high), _run(c, "standard-s0", ok, [(500, 30.0), (1000, 150.0)])]
+    res = search.count(search.verdict(runs), [0], runaway_need=1)
+    assert res["standard_failed"] == ["standard-s0"] and res["decision"].startswith("the standard")
