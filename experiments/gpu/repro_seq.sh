@@ -22,8 +22,10 @@
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # the executables and GEMM autotuning of the first run of a configuration serve the later ones
-# (other seeds, the next command while the machine stays warm): ~20 s of compilation each
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jf-jax-cache}
+# (other seeds, the next command while the machine stays warm): ~20 s of compilation each. One
+# cache per XLA_FLAGS, so that a deterministic-mode run never takes a default-mode GEMM choice.
+flags_key=$(printf '%s' "${XLA_FLAGS:-}" | md5sum | cut -c1-12)
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jf-jax-cache/$flags_key}
 mkdir -p "$JAX_COMPILATION_CACHE_DIR/xla_gpu_per_fusion_autotune_cache_dir"
 OUT=${OUT:-out}; RUNS=${RUNS:-/tmp/jf-repro}; LIMIT=$1; shift
 if [ -n "${VARIANT:-}" ]; then RUNS="$RUNS/$VARIANT"; DEST="$OUT/repro-$VARIANT"; else DEST="$OUT/repro"; fi
