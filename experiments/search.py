@@ -121,7 +121,7 @@ def verdict(run_dirs) -> list[dict]:
         if common and ctrl["probes"][common[-1]]:
             at = common[-1]
             ratio = r["probes"][at] / ctrl["probes"][at]
-        r["arm"], r["ratio_to_standard"], r["ratio_at"] = arm, ratio, at
+        r["arm"], r["seed"], r["ratio_to_standard"], r["ratio_at"] = arm, seed, ratio, at
         r["runaway"] = ratio is not None and ratio >= LOGIT_FACTOR and arm != "standard"
     return rows
 
@@ -136,10 +136,7 @@ def count(rows, seeds, *, loss_need=6, runaway_need=7, futility_after=2) -> dict
     the futility stop holds (``futility_after`` ``fa2`` executions with no loss failure and every
     probe below STANDARD_CEILING, judged without the ``standard`` arm)."""
     seeds = [str(x) for x in seeds]
-    by = {}
-    for r in rows:
-        arm, _, seed = r["run"].rpartition("-s")
-        by[(arm, seed)] = r
+    by = {(r["arm"], r["seed"]): r for r in rows}
     fa2 = [by[("fa2", x)] for x in seeds if ("fa2", x) in by]
     std = [by[("standard", x)] for x in seeds if ("standard", x) in by]
     loss = sum(r["loss_failure"] is not None for r in fa2)
