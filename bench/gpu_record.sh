@@ -5,7 +5,7 @@
 # step. Everything lands under $OUT (at most 8 files come back from the device machine).
 # Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step]      (default: tests bench)
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET (seconds); SHAPES for the benchmark;
-#      STEP_ARMS for the step (bench.train_step --arms);
+#      STEP_ARMS, STEP_BATCH for the step (bench.train_step --arms, --batch);
 #      K selects GPU tests (pytest -k).
 # `step` alone writes 6 files: env.txt, train_step.{json,log}, profile/{profile.md,trace.json.gz,
 # hlo.txt.gz}; it needs nanoGPT's model.py carried in third_party/nanoGPT (`make nanogpt`).
@@ -36,9 +36,10 @@ if [[ " $parts " == *" step "* ]]; then
   # fa2, fa2-stable, cuDNN and nanoGPT's own step at micro-batches 32 and 16, each run a process of
   # its own, fa2-stable at 32 profiled; runs that would not end within STEP_BUDGET are skipped (the
   # fa2-stable / nanoGPT pairs come first), and the results file is complete after every run
-  # STEP_ARMS: the arms timed (default: also fa2-stable with bf16 logits or a bf16 head gradient, named options)
-  timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch 32,16 \
-    --arms "${STEP_ARMS:-fa2,fa2-stable,cudnn,fa2-stable[model.logits_dtype=bfloat16],fa2-stable[model.head_grad_dtype=bfloat16]}" \
+  # STEP_ARMS: the arms timed (default: also fa2-stable with bf16 logits or a bf16 head gradient,
+  # named options that change bits, and with the bit-neutral GELU recomputation); STEP_BATCH: micro-batches
+  timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch "${STEP_BATCH:-32,16}" \
+    --arms "${STEP_ARMS:-fa2,fa2-stable,cudnn,fa2-stable[model.recompute_gelu=true],fa2-stable[model.logits_dtype=bfloat16],fa2-stable[model.head_grad_dtype=bfloat16],fa2-stable[model.head_grad_dtype=bfloat16;model.recompute_gelu=true]}" \
     --primary fa2-stable --nanogpt third_party/nanoGPT \
     --profile "$OUT/profile" --budget "${STEP_BUDGET:-520}" \
     --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r

@@ -109,6 +109,10 @@ class GPTConfig:
     # keeps autodiff's (FP32 GEMMs, TF32 on a GPU at default precision); "bfloat16" runs them in bf16
     # as nanoGPT's do, with the forward — logits and loss — unchanged
     head_grad_dtype: str = "float32"
+    # the backward recomputes the MLP's GELU from its bf16 input instead of reading saved FP32
+    # intermediates: the same elementwise operations on the same values, so every gradient is
+    # bit-identical (tests/test_model.py, on the device the tests run on); less memory traffic
+    recompute_gelu: bool = False
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
     # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
@@ -129,6 +133,8 @@ class GPTConfig:
                 ok = False
             if not ok:
                 raise choice_error(name, getattr(self, name), DTYPES)
+        if not isinstance(self.recompute_gelu, bool):
+            raise ValueError(f"recompute_gelu must be true or false, got {self.recompute_gelu!r}")
         if not (isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std)
                 and self.init_std > 0):
             raise ValueError(f"init_std must be a finite number > 0, got {self.init_std!r}")
@@ -333,11 +339,17 @@ class MLP(nnx.Module):
             kernel_init=nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
             rngs=rngs,
         )
+        self.recompute = cfg.recompute_gelu
 
     def __call__(self, x):
         h = self.fc(x)
-        h = jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
+        h = (jax.checkpoint(_gelu) if self.recompute else _gelu)(h)
         return self.proj(h)
+
+
+def _gelu(h):
+    """Exact GELU in FP32, returned in ``h``'s dtype."""
+    return jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
 
 
 def _layer_norm(d, pdt, rngs):

@@ -338,6 +338,37 @@ def test_head_grad_option_rounds_only_the_logits_gradient(rng):
     assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
 
 
+def test_recompute_gelu_changes_no_bit():
+    """model.recompute_gelu: the backward recomputes each layer's GELU from its input (a remat per
+    layer in the program) and the loss and every gradient are bit-identical. (Recomputing the
+    LayerNorms instead is not: their reductions, compiled into other fusions, round differently.)"""
+    import dataclasses
+
+    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    idx = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 128
+    opt = dataclasses.replace(cfg, recompute_gelu=True)
+
+    def loss(m):
+        return gpt2.cross_entropy(m(idx[:, :-1]), idx[:, 1:])
+
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
+    want = value_and_grad(GPT(cfg, rngs=nnx.Rngs(0)))
+    got = value_and_grad(GPT(opt, rngs=nnx.Rngs(0)))
+    chex.assert_trees_all_equal(got, want)
+
+    # the name this JAX gives jax.checkpoint's primitive in a differentiated program
+    probe = jax.make_jaxpr(jax.grad(jax.checkpoint(jnp.sin)))(1.0)
+    remat = next(e.primitive.name for e in probe.jaxpr.eqns if "jaxpr" in e.params)
+
+    def remats(c):
+        graph, params = nnx.split(GPT(c, rngs=nnx.Rngs(0)))
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(nnx.merge(graph, p))))(params)
+        return str(jaxpr).count(f"{remat}[")
+
+    assert remats(cfg) == 0
+    assert remats(opt) == cfg.n_layer
+
+
 def test_layer_norm_keeps_digits_when_features_share_a_large_offset(rng):
     # torch.nn.LayerNorm's two-pass variance; the one-pass E[x²] − E[x]² is off by ~1e-3 at offset 100
     d = 768
