@@ -378,6 +378,68 @@ def test_resume_is_bitwise(tmp_path, full_run):
     assert [m.get("val_loss") for m in a] == [m.get("val_loss") for m in b]
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_signal_stops_after_the_step_with_a_checkpoint_and_resumes_bitwise(tmp_path, full_run, signame):
+    """A signal during step 3's probe: step 4 is finished, recorded and checkpointed, the run ends
+    with stopped_by; the handlers are put back; resume=true reproduces the uninterrupted run."""
+    import os
+    import signal
+
+    sig = getattr(signal, signame)
+    before = signal.getsignal(sig)
+    tokens = Tokens()
+    part = micro_cfg(tmp_path / "part", "checkpoint_every=100", "probe_every=1")
+
+    def probe(step, model, batch):
+        if step == 3:
+            os.kill(os.getpid(), sig)  # delivered before the next Python bytecode
+        return {}
+
+    summary = T.train(part, tokens=tokens, probes=[probe])
+    assert summary["stopped_by"] == signame and summary["steps"] == 4
+    assert signal.getsignal(sig) is before
+    assert [m["step"] for m in T.read_metrics(tmp_path / "part")] == [1, 2, 3, 4]
+    assert CheckpointStore(tmp_path / "part", keep=2).steps() == [4]
+    resumed = T.train(dataclasses.replace(part, resume=True), tokens=tokens)
+    assert resumed["resumed_from"] == 4 and resumed["stopped_by"] is None
+    b = T.read_metrics(tmp_path / "part")
+    assert [m["step"] for m in b] == list(range(1, 9))
+    assert [m["loss"] for m in full_run] == [m["loss"] for m in b]  # bitwise (floats from JSON)
+    assert [m["grad_norm"] for m in full_run] == [m["grad_norm"] for m in b]
+
+
+def test_a_second_signal_stops_at_once():
+    import os
+    import signal
+
+    class Previous(Exception):
+        pass
+
+    def previous(signum, frame):
+        raise Previous
+
+    outer = signal.signal(signal.SIGINT, previous)
+    try:
+        with T._StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.signal == "SIGINT"
+            with pytest.raises(Previous):  # the second: the handler that was there before
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is previous
+    finally:
+        signal.signal(signal.SIGINT, outer)
+
+
+def test_cli_exit_status_after_a_signal(tmp_path, monkeypatch, capsys):
+    """python -m train.gpt2 stopped by a signal: exit status 4 and a line saying how to go on."""
+    monkeypatch.setattr(T, "train", lambda cfg, probes=(): {"steps": 5, "stopped_by": "SIGTERM",
+                                                             "diverged_at": None})
+    with pytest.raises(SystemExit) as e:
+        T.run_cli(micro_cfg(tmp_path / "r"))
+    assert e.value.code == T.EXIT_STOPPED == 4
+    assert "stopped by SIGTERM after step 5; resume=true" in capsys.readouterr().err
+
+
 def _plant(monkeypatch, at_step, fn, key="loss"):
     """Replace metric `key` of step `at_step` (1-based) by fn(value); key "opt_state" applies fn to
     every floating-point leaf of the optimizer state that step leaves behind."""

@@ -26,8 +26,12 @@ Resume (``resume=true|auto``, ``resume_step``): the newest intact checkpoint (or
 with the checkpoint's own config; only ``config.RESUME_SAFE`` keys may differ. ``config.json`` is
 rewritten only once the restore succeeded.
 
+Stopping (SIGTERM, SIGINT — a job scheduler's time limit, ``timeout``, Ctrl-C): the step in flight
+is finished, recorded and checkpointed (when checkpoints are on), and the run ends with
+``stopped_by`` in its summary; a resume continues it bitwise. A second signal stops at once.
+
 Exit status of ``python -m train.gpt2``: 0 done, 2 refused before training (bad value, conflicting
-or impossible resume, damaged checkpoint asked for), 3 diverged.
+or impossible resume, damaged checkpoint asked for), 3 diverged, 4 stopped by a signal.
 """
 
 from __future__ import annotations
@@ -59,6 +63,47 @@ Probe = Callable[[int, GPT, tuple], dict]
 
 EXIT_REFUSED = 2  # also argparse's status for a bad argument
 EXIT_DIVERGED = 3
+EXIT_STOPPED = 4
+
+
+class _StopOnSignal:
+    """While active, SIGTERM and SIGINT ask the training loop to stop after the step in flight
+    (``self.signal`` names the first); a second one gets the previous handler, so it stops at once.
+    Handlers can only be set from the main thread: elsewhere this does nothing."""
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self):
+        self.signal = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        import signal
+
+        if self.signal is not None:  # asked twice: the previous behaviour
+            self.__exit__()
+            signal.raise_signal(signum)
+            return
+        self.signal = signal.Signals(signum).name
+        print(f"{self.signal}: stopping after the step in flight (checkpointed when checkpoints are "
+              "on); send it again to stop at once", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 class RunError(RuntimeError):
@@ -500,53 +545,59 @@ def train(
 
     pending = None
     step = start
-    for step in range(start + 1, last_step + 1):
-        x, y = sampler.next()
-        x = np.asarray(x, np.int32).reshape(accum, micro, seq_len)
-        y = np.asarray(y, np.int32).reshape(accum, micro, seq_len)
-        batch = jax.device_put((x, y), data_sharding)
-        state, m = step_fn(state, batch)
-        if pending is not None:
-            record(*pending)
-            pending = None
+    # the loop's last step moves up when a signal asks the run to stop (_StopOnSignal)
+    with _StopOnSignal() as stop:
+        for step in range(start + 1, last_step + 1):
+            x, y = sampler.next()
+            x = np.asarray(x, np.int32).reshape(accum, micro, seq_len)
+            y = np.asarray(y, np.int32).reshape(accum, micro, seq_len)
+            batch = jax.device_put((x, y), data_sharding)
+            state, m = step_fn(state, batch)
+            if stop.signal is not None and step < last_step:
+                last_step = step  # asked to stop: this step is recorded and checkpointed as the last
+            if pending is not None:
+                record(*pending)
+                pending = None
+                if status["diverged_at"] is not None:
+                    break
+            do_eval = eval_data is not None and (
+                step % cfg.eval_every == 0 or (step == cfg.max_steps and stop_after is None)
+            )
+            do_probe = bool(probes) and cfg.probe_every and step % cfg.probe_every == 0
+            do_ckpt = bool(cfg.checkpoint_every) and (
+                step % cfg.checkpoint_every == 0 or step == last_step
+            )
+            if not (do_eval or do_probe or do_ckpt or step == last_step):
+                pending = (step, m)
+                continue
+            jax.block_until_ready(m)
+            done_at = time.perf_counter()  # before eval/probe work, which is not step time
+            extra = {}
+            if do_eval:
+                extra["val_loss"] = float(eval_fn(state["params"], eval_data))
+                status["last_val"] = extra["val_loss"]
+            if do_probe:
+                probe_model = nnx.merge(graphdef, state["params"])
+                for probe in probes:
+                    extra.update(probe(step, probe_model, (x[0], y[0])) or {})
+            record(step, m, extra, done_at)
             if status["diverged_at"] is not None:
                 break
-        do_eval = eval_data is not None and (
-            step % cfg.eval_every == 0 or (step == cfg.max_steps and stop_after is None)
-        )
-        do_probe = bool(probes) and cfg.probe_every and step % cfg.probe_every == 0
-        do_ckpt = bool(cfg.checkpoint_every) and (
-            step % cfg.checkpoint_every == 0 or step == last_step
-        )
-        if not (do_eval or do_probe or do_ckpt or step == last_step):
-            pending = (step, m)
-            continue
-        jax.block_until_ready(m)
-        done_at = time.perf_counter()  # before eval/probe work, which is not step time
-        extra = {}
-        if do_eval:
-            extra["val_loss"] = float(eval_fn(state["params"], eval_data))
-            status["last_val"] = extra["val_loss"]
-        if do_probe:
-            probe_model = nnx.merge(graphdef, state["params"])
-            for probe in probes:
-                extra.update(probe(step, probe_model, (x[0], y[0])) or {})
-        record(step, m, extra, done_at)
-        if status["diverged_at"] is not None:
-            break
-        if do_ckpt:
-            bad = {k: int(v) for k, v in jax.device_get(count_nonfinite(state)).items()}
-            if any(bad.values()):  # finite loss and gradient norm, yet not a state to keep
-                status.update(diverged_at=step, reason=_describe_nonfinite(bad))
+            if do_ckpt:
+                bad = {k: int(v) for k, v in jax.device_get(count_nonfinite(state)).items()}
+                if any(bad.values()):  # finite loss and gradient norm, yet not a state to keep
+                    status.update(diverged_at=step, reason=_describe_nonfinite(bad))
+                    break
+                store.save(
+                    step,
+                    state,
+                    _jsonable({"step": step, "sampler": sampler.state_dict(), "running_min": running_min}),
+                    config=config_lib.to_dict(cfg),
+                    code=code,
+                )
+            times["ref"] = time.perf_counter()  # eval/probe/checkpoint time is not step time
+            if step >= last_step:  # a signal moved the last step up
                 break
-            store.save(
-                step,
-                state,
-                _jsonable({"step": step, "sampler": sampler.state_dict(), "running_min": running_min}),
-                config=config_lib.to_dict(cfg),
-                code=code,
-            )
-        times["ref"] = time.perf_counter()  # eval/probe/checkpoint time is not step time
     if pending is not None:
         record(*pending)
     bar.close()
@@ -570,6 +621,7 @@ def train(
         "n_devices": n_dev,
         "n_params": n_params,
         "resumed_from": start or None,
+        "stopped_by": stop.signal,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     store.close()
@@ -607,7 +659,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         epilog="overrides: dotted key=value, e.g. model.n_layer=2 "
         "attention.kind=flash attention.stable=true optim.lr=3e-4; "
         "resume=true|auto continues <run_dir> (docs/TRAINING.md); "
-        "exit status 0 done, 2 refused, 3 diverged",
+        "exit status 0 done, 2 refused, 3 diverged, 4 stopped by a signal",
     )
     ap.add_argument("--preset", default=None, choices=sorted(config_lib.PRESETS),
                     help="default tiny-cpu; with resume and no --preset: the run's own config.json")
@@ -647,6 +699,10 @@ def run_cli(cfg: TrainConfig, probes: Sequence[Probe] = ()) -> dict:
         print(f"diverged at step {summary['diverged_at']}: {summary['reason']} (last good "
               f"checkpoint: {summary.get('last_good_checkpoint')})", file=sys.stderr)
         sys.exit(EXIT_DIVERGED)
+    if summary.get("stopped_by") is not None:
+        print(f"stopped by {summary['stopped_by']} after step {summary['steps']}; resume=true "
+              "continues it", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
     return summary
 
 

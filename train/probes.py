@@ -512,7 +512,7 @@ def main(argv=None) -> None:
     if ns.snapshot:
         l, h, *steps = (int(s) for s in ns.snapshot.split(","))
         probes.append(SnapshotProbe(Path(cfg.run_dir) / "snapshots", l, h, steps))
-    T.run_cli(cfg, probes)  # exit status 2 refused, 3 diverged, like train.gpt2
+    T.run_cli(cfg, probes)  # exit status 2 refused, 3 diverged, 4 stopped by a signal, like train.gpt2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reproduction arms one after the other on one H200 (sequential runs are faster than concurrent
 # ones). Runs live on the machine's disk ($RUNS, a checkpoint every CKPT_EVERY
-# = 1000 steps, resumed when the same ARM:SEED comes again), so a run longer than one command continues
+# = 1000 steps and one where the limit's SIGTERM stops a run, resumed when the same ARM:SEED comes
+# again), so a run longer than one command continues
 # in the next command while the machine stays warm. Metrics, config and summary of each run are copied
 # to $OUT/repro/<arm>-s<seed>/ after every command (three files per run: at most two arms per call
 # come back, the device returns ≤ 8 files, two folder levels deep).
