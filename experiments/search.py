@@ -5,6 +5,7 @@ does not: the settings screened, the criteria, and the verdict computed from raw
     python -m experiments.search overrides SETTING        # its config overrides, one a line
     python -m experiments.search verdict RUN_DIR [...] [--md FILE]
     python -m experiments.search count RUN_DIR [...] --seeds 0,2,3   # a reliability stage's decision
+    python -m experiments.search onsets RUN_DIR [...] [--from 1000]   # runaway onsets, a hazard estimate
 
 A setting is a set of config overrides on a preset (default small-gpu); arms come from
 experiments/arms.py. The design of each stage — which settings, arms, seeds and steps, and what
@@ -163,6 +164,64 @@ def count(rows, seeds, *, loss_need=6, runaway_need=7, futility_after=2) -> dict
             "standard_failed": std_failed, "decision": decision}
 
 
+ONSET_LOGIT = 300.0  # about 10x a standard execution's layer-2 max logit (29-36 at step 4,000)
+
+
+def _poisson_cdf(k: int, mu: float) -> float:
+    term = total = math.exp(-mu)
+    for i in range(1, k + 1):
+        term *= mu / i
+        total += term
+    return total
+
+
+def _poisson_interval(k: int, level: float = 0.95) -> tuple[float, float]:
+    """The exact (Garwood) interval for a Poisson mean from ``k`` events, by bisection."""
+    alpha = (1.0 - level) / 2
+
+    def solve(f):  # f increasing in mu, root in [0, big]
+        lo, hi = 0.0, 10.0 * (k + 10)
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+        return (lo + hi) / 2
+
+    lower = 0.0 if k == 0 else solve(lambda mu: (1 - _poisson_cdf(k - 1, mu)) - alpha)
+    upper = solve(lambda mu: alpha - _poisson_cdf(k, mu))
+    return lower, upper
+
+
+def onsets(records, *, start: int, threshold: float = ONSET_LOGIT,
+           reliabilities=(0.5, 0.7, 0.8)) -> dict:
+    """A runaway's onset per execution — the first probe with layer 2's max logit ≥ ``threshold``
+    (None: none up to its last probe) — and, under a constant-hazard model from step ``start`` on
+    (an exploratory summary, fitted to the executions given), the hazard per step with its exact 95 %
+    interval and the horizon at which an execution would have run away with each probability.
+    ``records``: ``run_record`` dicts."""
+    rows, events, exposure = [], 0, 0
+    for r in records:
+        probes = sorted(r["probes"].items())
+        if not probes:
+            continue
+        onset = next((s for s, v in probes if v >= threshold), None)
+        end = onset if onset is not None else probes[-1][0]
+        events += onset is not None
+        exposure += max(end - start, 0)
+        rows.append({"run": r["run"], "last_probe": probes[-1][0], "onset": onset})
+    rate = events / exposure if exposure else None
+    lo, hi = _poisson_interval(events)
+    interval = (lo / exposure, hi / exposure) if exposure else None
+
+    def horizon(lam, p):
+        return None if not lam else start + math.log(1 / (1 - p)) / lam
+
+    # a higher hazard reaches a reliability sooner: the interval's upper end gives the early horizon
+    horizons = {p: (horizon(rate, p), horizon(interval[1], p) if interval else None,
+                    horizon(interval[0], p) if interval else None) for p in reliabilities}
+    return {"rows": rows, "events": events, "exposure_steps": exposure, "hazard": rate,
+            "hazard_95": interval, "horizons": horizons, "start": start, "threshold": threshold}
+
+
 def markdown(rows) -> str:
     num = lambda x, f="{:,.1f}": "—" if x is None else f.format(x)
     lines = ["| run | steps | loss failure at | mean loss, last 50 | L1 max logit, last probe | "
@@ -190,7 +249,26 @@ def main(argv=None):
     c = sub.add_parser("count", help="a reliability stage's counts and decision (stage4.md)")
     c.add_argument("runs", nargs="+")
     c.add_argument("--seeds", required=True, help="comma-separated seeds of the stage, e.g. 0,2,3")
+    n = sub.add_parser("onsets", help="each execution's runaway onset and a constant-hazard "
+                       "estimate of the horizon a reliability needs (exploratory)")
+    n.add_argument("runs", nargs="+")
+    n.add_argument("--from", dest="start", type=int, default=1000,
+                   help="the step the hazard is counted from (default 1000)")
+    n.add_argument("--threshold", type=float, default=ONSET_LOGIT)
     args = ap.parse_args(argv)
+    if args.cmd == "onsets":
+        records = [dict(run_record(d), run=str(d).rstrip("/")) for d in args.runs]
+        res = onsets(records, start=args.start, threshold=args.threshold)
+        fmt = lambda x: "—" if x is None else f"{x:,.0f}"
+        print(f"| run | last probe | onset (layer 2 max logit >= {res['threshold']:g}) |\n|---|---|---|")
+        for r in res["rows"]:
+            print(f"| {r['run']} | {r['last_probe']:,} | {fmt(r['onset'])} |")
+        lo, hi = res["hazard_95"] or (None, None)
+        print(f"\n{res['events']} onsets in {res['exposure_steps']:,} steps at risk from step "
+              f"{res['start']:,}: hazard {res['hazard'] or 0:.3g} per step (95 % {lo or 0:.3g} – {hi or 0:.3g})")
+        for p, (mid, early, late) in res["horizons"].items():
+            print(f"P(onset by step T) = {p:.0%}: T = {fmt(mid)} (95 %: {fmt(early)} – {fmt(late)})")
+        return
     if args.cmd == "count":
         res = count(verdict(args.runs), args.seeds.split(","))
         for key, value in res.items():

@@ -82,3 +82,30 @@ def test_count_applies_the_reliability_rule(tmp_path):
     runs = [_run(c, "fa2-s0", ok, high), _run(c, "standard-s0", ok, [(500, 30.0), (1000, 150.0)])]
     res = search.count(search.verdict(runs), [0], runaway_need=1)
     assert res["standard_failed"] == ["standard-s0"] and res["decision"].startswith("the standard")
+
+
+def test_poisson_interval_is_garwoods():
+    # the exact 95 % interval for 0, 2 and 10 events (chi-square quantiles / 2)
+    for k, want in {0: (0.0, 3.6889), 2: (0.2422, 7.2247), 10: (4.7954, 18.3904)}.items():
+        lo, hi = search._poisson_interval(k)
+        assert lo == pytest.approx(want[0], abs=1e-4) and hi == pytest.approx(want[1], abs=1e-4)
+
+
+def test_onsets_and_the_constant_hazard_horizon():
+    """Onsets at 2,000 and 3,000, two executions without one to 4,000, counted from step 1,000:
+    2 events in 1,000 + 2,000 + 3,000 + 3,000 steps at risk."""
+    rec = lambda name, probes: {"run": name, "probes": dict(probes)}
+    records = [rec("a", [(1000, 50.0), (2000, 300.0), (3000, 5000.0)]),
+               rec("b", [(2000, 40.0), (3000, 301.0), (4000, 80.0)]),
+               rec("c", [(2000, 40.0), (4000, 299.9)]),
+               rec("d", [(4000, 20.0)]),
+               rec("e", [])]
+    res = search.onsets(records, start=1000)
+    assert [(r["run"], r["onset"]) for r in res["rows"]] == [("a", 2000), ("b", 3000), ("c", None),
+                                                             ("d", None)]
+    assert res["events"] == 2 and res["exposure_steps"] == 9000
+    assert res["hazard"] == pytest.approx(2 / 9000)
+    mid, early, late = res["horizons"][0.5]
+    assert mid == pytest.approx(1000 + math.log(2) * 4500)
+    assert early < mid < late
+    assert late == pytest.approx(1000 + math.log(2) / (search._poisson_interval(2)[0] / 9000))
