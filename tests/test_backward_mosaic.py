@@ -107,7 +107,9 @@ def test_check_says_what_it_does_not_cover():
     assert "delta" in bm.check(make_cfg(1024, 64, delta="dpp"), shape, BF16)
     assert "head_dim" in bm.check(cfg, (2, 1024, 4, 32), BF16)
     assert "out_dtype" in bm.check(cfg, shape, BF16, jnp.float32)
-    assert "q_len" in bm.check(make_cfg(1000, 64), shape, BF16)
+    assert bm.check(make_cfg(1000, 64), shape, BF16) is None  # a length padded up to 1024
+    assert "q_len" in bm.check(dataclasses.replace(cfg, q_len=512), shape, BF16)  # cross-attention
+    assert "q_len" in bm.check(make_cfg(1100, 64), shape, BF16)
     assert "multiple" in bm.check(make_cfg(1088, 64), (2, 1088, 4, 64), BF16)
     assert "k shape" in bm.check(cfg, shape, BF16, BF16, (2, 2048, 4, 64))
     x = jnp.zeros((1, 1088, 1, 64), BF16)
@@ -299,18 +301,44 @@ def test_interpreted_window_kernels(rng, assert_close, window, causal, kv_heads)
         assert_close(ours[i], jnp_g[i], ulp_of_max(jnp_g[i]), f"{name} vs jnp")
 
 
+@needs_interpreter
+@pytest.mark.parametrize("causal", [True, False])
+def test_interpreted_padded_length_kernels(rng, assert_close, causal):
+    """A length inside a tile (300, zero-padded to 384 as the API pads q, k, v, dO and O): keys at
+    or past the length see only masked blocks, the dQ kernel streams no key tile past it. dQ, dK, dV
+    of the 300 rows and keys against the Triton kernels interpreted and the jnp executor's backward
+    under the same Numerics and the same L and δ; the padding's dK, dV exactly zero."""
+    n, t = 300, 384
+    cfg = make_cfg(n, 64, causal=causal)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, t - n), (0, 0), (0, 0)))
+    q, k, v, do = (pad(jnp.asarray(rng.standard_normal((1, n, 2, 64)), BF16)) for _ in range(4))
+    o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
+    o = jnp.asarray(o).astype(BF16)
+    dlt = jitted(jnp_impl.delta, q, k, v, o, do, lse, cfg=cfg)
+    ours = _interpreted(q, k, v, do, lse, dlt, cfg)
+    chex.assert_shape(ours, [q.shape, k.shape, v.shape])
+    triton = jitted(pb.backward, q, k, v, do, lse, dlt, cfg=cfg, launch=jf.Launch(), out_dtype=BF16)
+    jnp_g = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)
+    for i, name in enumerate(("dQ", "dK", "dV")):
+        assert_close(ours[i][:, :n], triton[i][:, :n], ulp_of_max(triton[i][:, :n]), f"{name} vs Triton")
+        assert_close(ours[i][:, :n], jnp_g[i][:, :n], ulp_of_max(jnp_g[i][:, :n]), f"{name} vs jnp")
+    assert np.all(f64(ours[1][:, n:]) == 0) and np.all(f64(ours[2][:, n:]) == 0)
+
+
 @pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU lowers for CUDA on a CPU from jax 0.11")
-@pytest.mark.parametrize("kv_heads,window,causal", [(4, None, True), (2, None, True), (4, (1023, 0), True),
-                                                    (1, (256, 256), False)],
-                         ids=["plain", "gqa", "sliding-window", "mqa-window-both"])
-def test_kernels_lower_for_cuda(kv_heads, window, causal):
+@pytest.mark.parametrize("kv_heads,window,causal,length", [
+    (4, None, True, 2048), (2, None, True, 2048), (4, (1023, 0), True, 2048),
+    (1, (256, 256), False, 2048), (4, None, False, 2000)],
+    ids=["plain", "gqa", "sliding-window", "mqa-window-both", "padded-length"])
+def test_kernels_lower_for_cuda(kv_heads, window, causal, length):
     """The forward, dK/dV and dQ kernels lower to Mosaic GPU's per-thread module for CUDA (what the
     GPU compiles; ``jax.export`` does it on a CPU) at a training shape: the interpreter does not run
     that lowering, which refuses ops Mosaic GPU lacks."""
     from jax_flash.pallas import forward_mosaic as fm
 
     t = 2048
-    cfg = dataclasses.replace(make_cfg(t, 128, causal=causal), window=window, groups=4 // kv_heads)
+    cfg = dataclasses.replace(make_cfg(length, 128, causal=causal), window=window,
+                              groups=4 // kv_heads)
     q = jax.ShapeDtypeStruct((1, t, 4, 128), BF16)
     k = jax.ShapeDtypeStruct((1, t, kv_heads, 128), BF16)
     rows = jax.ShapeDtypeStruct((1, 4, t), jnp.float32)

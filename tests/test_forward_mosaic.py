@@ -101,7 +101,9 @@ def test_check_says_what_it_does_not_cover():
     assert "head_dim" in fm.check(cfg, (2, 1024, 4, 32), BF16)
     assert "block_k" in fm.check(make_cfg(1024, 64, block_k=32), shape, BF16)
     assert "dtype" in fm.check(cfg, shape, jnp.float32)
-    assert "q_len" in fm.check(make_cfg(1000, 64), shape, BF16)
+    assert fm.check(make_cfg(1000, 64), shape, BF16) is None  # a length padded up to 1024
+    assert "q_len" in fm.check(dataclasses.replace(cfg, q_len=512), shape, BF16)  # cross-attention
+    assert "q_len" in fm.check(make_cfg(1100, 64), shape, BF16)
     assert "multiple" in fm.check(make_cfg(1088, 64), (2, 1088, 4, 64), BF16)
     with pytest.raises(ValueError, match="does not cover"):
         fm.forward_mosaic(*(jnp.zeros((1, 1088, 1, 64), BF16),) * 3, make_cfg(1088, 64),
@@ -279,3 +281,28 @@ def test_interpreted_window(rng, assert_close, window, causal):
         rows = window[0] + 1  # rows 0 … left see every key the causal mask leaves them
         chex.assert_trees_all_equal(o[:, :rows], plain[:, :rows])
         assert np.any(f64(o[:, rows:]) != f64(plain[:, rows:]))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal", [True, False])
+def test_interpreted_padded_length(rng, assert_close, causal):
+    """A length inside a tile (300 keys and queries, padded with zeros to 384 as the API pads): the
+    program streams no tile past the length, the tile holding it is masked. O and L of the 300 rows
+    against the Triton kernel interpreted and the jnp executor under the same Numerics, O against
+    float64 on the unpadded inputs; L finite on the padding rows too (the backward reads it)."""
+    n, shape = 300, (1, 384, 2, 64)
+    q, k, v = tied_inputs(rng, (1, n, 2, 64), score=20.0, pairs=((3, 5), (130, 140)))
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, shape[1] - n), (0, 0), (0, 0)))
+    cfg = make_cfg(n, 64, causal=causal, stable=True)
+    pf = importlib.import_module("jax_flash.pallas.forward")
+    o, lse = _interpreted(pad(q), pad(k), pad(v), cfg)
+    assert np.all(np.isfinite(f64(lse)))
+    o_t, l_t = jitted(pf.forward, pad(q), pad(k), pad(v), cfg=cfg, launch=jf.Launch(), o_dtype=BF16)
+    o_j, l_j = jitted(jnp_impl.forward, pad(q), pad(k), pad(v), cfg=cfg)
+    o_j = o_j.astype(BF16)
+    for name, o_other, l_other in (("Triton", o_t, l_t), ("jnp", o_j, l_j)):
+        assert_close(o[:, :n], o_other[:, :n], ulp_of_max(o_other[:, :n]), f"O vs {name}")
+        chex.assert_trees_all_close(lse[..., :n], l_other[..., :n], rtol=8 * 2.0 ** -24,
+                                    atol=8 * 2.0 ** -24)
+    bound, _ = o_bound(q, k, v, cfg)
+    assert_close(o[:, :n], jf.reference_numpy(q, k, v, causal=causal), bound, "O vs float64")

@@ -76,9 +76,9 @@ def check(cfg: Numerics, shape, dtype, out_dtype=None, k_shape=None) -> str | No
         return f"out_dtype {jnp.dtype(out_dtype).name} differs from the inputs' {jnp.dtype(dtype).name}"
     if d not in HEAD_DIMS:
         return f"head_dim {d} (supported: {HEAD_DIMS})"
-    if not cfg.q_len == cfg.kv_len == t:
-        return (f"q_len {cfg.q_len}, kv_len {cfg.kv_len}, padded length {t} (all must be equal: "
-                "no padding, no cross-attention)")
+    if cfg.q_len != cfg.kv_len or cfg.kv_len > t:
+        return (f"q_len {cfg.q_len}, kv_len {cfg.kv_len}, padded length {t} (self-attention only: "
+                "q_len = kv_len, padded up to it)")
     if t % KEYS or t % Q_TILE:
         return f"length {t} not a multiple of {KEYS} keys"
     return None
@@ -220,10 +220,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             base = i * n_steps
             # above the diagonal, a window's upper edge; the window's lower edge (without one,
             # full_hi = hi = p_hi)
+            # keys at or past a padded length see only masked blocks: the trailing loop runs them
             return mosaic_common.visit_tiles(
                 functools.partial(step, base=base), functools.partial(skip, base=base), carry,
                 (p_lo, p_hi), (lo, full_lo, full_hi, hi),
-                masked_first=cfg.causal or cfg.window is not None, masked_last=cfg.window is not None)
+                masked_first=cfg.causal or cfg.window is not None,
+                masked_last=cfg.window is not None or cfg.kv_len < q_ref.shape[1])
 
         zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
         carry = (zeros, zeros)
@@ -417,7 +419,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         # window's right edge
         dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
                                        masked_first=cfg.window is not None,
-                                       masked_last=cfg.causal or cfg.window is not None)
+                                       masked_last=cfg.causal or cfg.window is not None
+                                       or cfg.kv_len % bk != 0)
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])

@@ -63,9 +63,9 @@ def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
         return f"head_dim {d} (supported: {HEAD_DIMS})"
     if cfg.block_k not in KEY_TILES:
         return f"block_k {cfg.block_k} (supported: {KEY_TILES})"
-    if not cfg.q_len == cfg.kv_len == t:
-        return (f"q_len {cfg.q_len}, kv_len {cfg.kv_len}, padded length {t} (all must be equal: "
-                "no padding, no cross-attention)")
+    if cfg.q_len != cfg.kv_len or cfg.kv_len > t:
+        return (f"q_len {cfg.q_len}, kv_len {cfg.kv_len}, padded length {t} (self-attention only: "
+                "q_len = kv_len, padded up to it)")
     if t % ROWS or t % cfg.block_k:
         return f"length {t} not a multiple of {ROWS} query rows and of block_k {cfg.block_k}"
     return None
@@ -167,9 +167,12 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         carry = tile.init_carry(ROWS_PER_WG, d, cfg)
         # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
         # window's right edge
+        # the last tile is masked under a causal diagonal, a window's right edge or a length that
+        # ends inside a tile (the tiles past the length are not streamed)
         carry = mosaic_common.visit_tiles(step, skip, carry, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
                                           masked_first=cfg.window is not None,
-                                          masked_last=cfg.causal or cfg.window is not None)
+                                          masked_last=cfg.causal or cfg.window is not None
+                                          or cfg.kv_len % bk != 0)
         pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
 
         o, lse = tile.finish(carry, cfg)

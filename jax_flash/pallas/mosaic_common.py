@@ -136,8 +136,8 @@ def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, 
 
 def unsupported_masks(cfg) -> str | None:
     """Why the Mosaic GPU kernels cannot run ``cfg``'s masking (None: they can): they implement the
-    causal diagonal, windows, kv_len and GQA/MQA (``cfg.groups`` query heads reading one key/value
-    head)."""
+    causal diagonal, windows, a length padded up to the tiles (q_len = kv_len) and GQA/MQA
+    (``cfg.groups`` query heads reading one key/value head)."""
     if cfg.seq_lengths:
         return "per-batch sequence lengths"
     if cfg.mask or cfg.bias:
