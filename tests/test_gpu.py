@@ -298,22 +298,25 @@ def test_gpu_mosaic_dkdv_only_keeps_triton_dq():
 
 
 def test_gpu_explicit_mosaic_launch_that_cannot_run_raises():
-    """Asked for explicitly, a Mosaic kernel that does not cover the call (T not a multiple of 128)
-    raises; chosen by the table, the call runs the Triton kernel (``plan`` says so)."""
-    x = randn(40, (1, 1000, 2, 128))
+    """Asked for explicitly, a Mosaic kernel that does not cover the call (T padded to 1088 rows,
+    not a multiple of 128) raises; chosen by the table, the call runs the Triton kernel (``plan``
+    says so)."""
+    x = randn(40, (1, 1050, 2, 128))
     with pytest.raises(ValueError, match="Mosaic"):
         jf.plan(x, x, x, impl="pallas", launch={"fwd_kernel": "mosaic"})
 
 
-@pytest.mark.parametrize("kv_heads,window,causal", [
-    (2, None, True), (1, None, False), (4, (256, 0), True), (2, (128, 128), False)],
+@pytest.mark.parametrize("kv_heads,window,causal,t", [
+    (2, None, True, 2048), (1, None, False, 2048), (4, (256, 0), True, 2048),
+    (2, (128, 128), False, 2048), (2, None, True, 2000), (8, None, False, 1900)],
     ids=lambda x: str(x).replace(" ", ""))
-def test_gpu_mosaic_gqa_and_windows_vs_reference_and_triton(kv_heads, window, causal):
-    """GQA/MQA and sliding windows through ``dot_product_attention``: the Mosaic forward and backward
-    (which read one kv head per query-head group and skip the tiles outside the window) against an
-    FP32 (HIGHEST) reference and the Triton kernels on the same call — each output's error within
-    1.5× Triton's, and within 1 % of Triton's values."""
-    b, t, n, d = 1, 2048, 8, 128
+def test_gpu_mosaic_gqa_and_windows_vs_reference_and_triton(kv_heads, window, causal, t):
+    """GQA/MQA, sliding windows and lengths the call pads (2000, 1900) through
+    ``dot_product_attention``: the Mosaic forward and backward (which read one kv head per
+    query-head group, skip the tiles outside the window or past the length) against an FP32
+    (HIGHEST) reference and the Triton kernels on the same call — each output's error within 1.5×
+    Triton's, and within 1 % of Triton's values."""
+    b, n, d = 1, 8, 128
     q, do = randn(50, (b, t, n, d)), randn(51, (b, t, n, d))
     k, v = randn(52, (b, t, kv_heads, d)), randn(53, (b, t, kv_heads, d))
     kw = dict(is_causal=causal, local_window_size=window)
