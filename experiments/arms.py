@@ -45,7 +45,10 @@ ARMS: dict[str, tuple[str, ...]] = {
 }
 
 # The PyTorch twin (experiments/gpu/torch_train.py): arm → its --attn
-TORCH_ARMS = {"torch-flash": "flash", "torch-standard": "standard"}
+# (flash-o / flash-dpp: FA2's forward kernel, its backward written out in PyTorch with δ from O or
+# δ = rowsum(dP∘P): experiments.torch_parity.FlashWithDelta)
+TORCH_ARMS = {"torch-flash": "flash", "torch-standard": "standard", "torch-flash-o": "flash-o",
+              "torch-flash-dpp": "flash-dpp"}
 
 _ATTENTION_KEYS = {"policy": str, "stable": lambda s: s == "true", "beta": float, "delta": str}
 

@@ -86,6 +86,76 @@ class TorchLayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, None, 1e-5)
 
 
+DELTA_CHUNK = 128  # query rows per step of the written-out backward
+
+
+def _attention_rows(q, k, v, scale):
+    """Causal attention in FP32 (FP64 for FP64 inputs): O in q's dtype and L = logsumexp of the
+    scaled scores per row, [B, H, T] — what FA2's forward returns, off CUDA."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
+    t = q.shape[2]
+    s = s.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=q.device)), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.exp(s - lse[..., None]) @ v.to(acc)).to(q.dtype), lse
+
+
+class FlashWithDelta(torch.autograd.Function):
+    """Causal attention with FA2's forward (SDPA's FlashAttention-2 kernel on CUDA; the same O and L
+    computed in FP32 elsewhere) and FA2's backward arithmetic written out in PyTorch, with the δ of
+    dS = P∘(dP − δ) chosen: "o" = rowsum(dO∘O) with the stored O, as the kernel computes it; "dpp" =
+    rowsum(dP∘P), the fix of arXiv 2510.04212 (equal to it in exact arithmetic). P is recomputed
+    from L; P and dS are rounded to the inputs' dtype before their products (dV = Pᵀ·dO,
+    dK = dSᵀ·Q, dQ = dS·K), every sum in FP32; query rows go in chunks of ``DELTA_CHUNK``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, delta):
+        if delta not in ("o", "dpp"):
+            raise ValueError(f"delta must be 'o' or 'dpp', got {delta!r}")
+        scale = q.shape[-1] ** -0.5
+        if q.is_cuda:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, True, False, scale=scale)[:2]
+        else:
+            out, lse = _attention_rows(q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.delta, ctx.scale = delta, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # every product's operands are representable in q's dtype: TF32 multiplies them exactly
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            qf, kf, vf, dof = (x.to(acc) for x in (q, k, v, do))
+            t = q.shape[2]
+            dq, dk, dv = torch.empty_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+            delta_o = (dof * o.to(acc)).sum(-1, keepdim=True) if ctx.delta == "o" else None
+            rnd = lambda x: x.to(q.dtype).to(acc)
+            for r0 in range(0, t, DELTA_CHUNK):
+                r1 = min(t, r0 + DELTA_CHUNK)  # causal: these rows see keys [0, r1)
+                rows = torch.arange(r0, r1, device=q.device)[:, None]
+                seen = rows >= torch.arange(r1, device=q.device)[None, :]
+                s = (qf[:, :, r0:r1] @ kf[:, :, :r1].transpose(-2, -1)) * ctx.scale
+                p = torch.exp(s - lse[:, :, r0:r1, None].to(acc)).masked_fill(~seen, 0.0)
+                dp = dof[:, :, r0:r1] @ vf[:, :, :r1].transpose(-2, -1)
+                dlt = (dp * p).sum(-1, keepdim=True) if delta_o is None else delta_o[:, :, r0:r1]
+                ds = rnd(p * (dp - dlt))
+                dv[:, :, :r1] += rnd(p).transpose(-2, -1) @ dof[:, :, r0:r1]
+                dk[:, :, :r1] += ds.transpose(-2, -1) @ qf[:, :, r0:r1]
+                dq[:, :, r0:r1] = ds @ kf[:, :, :r1]
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        return ((dq * ctx.scale).to(q.dtype), (dk * ctx.scale).to(k.dtype), dv.to(v.dtype), None)
+
+
+# eager under torch.compile: its backward sets the TF32 switch and loops over row chunks in Python
+_flash_with_delta = torch.compiler.disable(lambda q, k, v, delta: FlashWithDelta.apply(q, k, v, delta))
+
+
 class TorchAttention(nn.Module):
     def __init__(self, d, n_head, block_size, kind):
         super().__init__()
@@ -100,7 +170,9 @@ class TorchAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        if self.kind in ("sdpa", "flash"):  # "flash": SDPA's FlashAttention-2 backend (GPU)
+        if self.kind in ("flash-o", "flash-dpp"):  # FA2's forward, its backward written out
+            y = _flash_with_delta(q, k, v, self.kind.removeprefix("flash-"))
+        elif self.kind in ("sdpa", "flash"):  # "flash": SDPA's FlashAttention-2 backend (GPU)
             backend = SDPBackend.FLASH_ATTENTION if self.kind == "flash" else SDPBackend.MATH
             with sdpa_kernel([backend]):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -30,7 +30,7 @@ def test_torch_twin_tracks_the_jax_run(tmp_path):
     R.main(["run", "--arm", "standard", "--seed", str(seed), "--steps", str(steps), "--probe-every", "6",
             "--data", str(data), "--out", str(tmp_path)]
            + [f"model.{k}={v}" for k, v in MODEL.items()] + ["data.batch_size=4", "optim.warmup_steps=3"])
-    TT.main(["--attn", "standard", "--seed", str(seed), "--steps", str(steps), "--probe-every", "6",
+    TT.main(["--arm", "torch-standard", "--seed", str(seed), "--steps", str(steps), "--probe-every", "6",
              "--batch-size", "4", "--data", str(data), "--out", str(tmp_path), "--device", "cpu",
              "--model", json.dumps(MODEL), "--warmup-steps", "3"])
     jx = _records(tmp_path / f"standard-s{seed}" / "metrics.jsonl")
@@ -56,3 +56,42 @@ def test_torch_twin_tracks_the_jax_run(tmp_path):
                     assert pt[s][key] == pytest.approx(pj[s][key], rel=3e-3), key
             assert pt[s][f"max_logit/L{l}"] == pytest.approx(pj[s][f"max_logit/L{l}"], rel=2e-2)
             assert abs(pt[s][f"tie_frac/L{l}"] - pj[s][f"tie_frac/L{l}"]) < 0.05
+
+
+def _reference_grads(q, k, v, do):
+    """Causal attention's gradients by autograd in float64."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    t = q.shape[2]
+    s = s.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool)), float("-inf"))
+    (torch.softmax(s, -1) @ v).backward(do.double())
+    return q.grad, k.grad, v.grad
+
+
+def _delta_grads(q, k, v, do, delta):
+    from experiments.torch_parity import FlashWithDelta
+
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    FlashWithDelta.apply(q, k, v, delta).backward(do)
+    return q.grad, k.grad, v.grad
+
+
+def test_written_out_backward_is_attentions_gradient_and_delta_is_the_only_switch():
+    """In float64 (nothing rounded) both δ give autograd's gradients — rowsum(dP∘P) = rowsum(dO∘O)
+    in exact arithmetic — across several row chunks and a partial last chunk; in bf16 they differ,
+    and only through δ: dV (no δ in it) is bitwise the same."""
+    from experiments import torch_parity
+
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 3, torch_parity.DELTA_CHUNK * 2 + 40, 16)
+    q, k, v, do = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
+    want = _reference_grads(q, k, v, do)
+    for delta in ("o", "dpp"):
+        for got, ref in zip(_delta_grads(q, k, v, do, delta), want):
+            torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    bf = [x.to(torch.bfloat16) for x in (q, k, v, do)]
+    o_grads, dpp_grads = _delta_grads(*bf, "o"), _delta_grads(*bf, "dpp")
+    assert torch.equal(o_grads[2], dpp_grads[2])
+    assert not torch.equal(o_grads[0], dpp_grads[0]) and not torch.equal(o_grads[1], dpp_grads[1])
+    with pytest.raises(ValueError, match="delta"):
+        _delta_grads(q, k, v, do, "x")

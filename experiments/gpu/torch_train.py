@@ -17,7 +17,10 @@ models/gpt2.py is checked in docs/results/torch-parity-cpu.json), FP32 master we
 autocast, ``torch.compile`` on CUDA, fused AdamW (0.9, 0.95), eps 1e-8, wd 0, grad-norm clip 1,
 nanoGPT's lr schedule with the small-gpu preset's values (1e-3, 500 warmup, cosine over 600 k
 steps). Attention: ``flash`` = SDPA's FlashAttention-2 backend (CUDA only); ``standard`` =
-nanoGPT's manual path (bf16 q·kᵀ, softmax in FP32 under autocast, P·V in bf16).
+nanoGPT's manual path (bf16 q·kᵀ, softmax in FP32 under autocast, P·V in bf16); ``flash-o`` and
+``flash-dpp`` = FA2's forward kernel with its backward written out in PyTorch, δ from the stored O
+(the kernel's) or δ = rowsum(dP∘P) (``experiments.torch_parity.FlashWithDelta``; off CUDA the
+forward is computed in FP32).
 
 Probe every ``--probe-every`` steps on the same 8 held-out windows as the JAX probe, written under
 the JAX probe's metric names (train/probes.py) so ``experiments.reproduce table`` and
@@ -124,7 +127,8 @@ def train(args) -> dict:
         oc = dataclasses.replace(oc, warmup_steps=args.warmup_steps)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.attn == "flash" and device != "cuda":
-        raise SystemExit("--attn flash needs CUDA (SDPA's FlashAttention backend); use standard on CPU")
+        raise SystemExit("--attn flash needs CUDA (SDPA's FlashAttention backend); use standard on "
+                         "CPU (or flash-o / flash-dpp, whose forward is computed in FP32 there)")
     name = f"torch-{args.attn}-s{args.seed}"
     run_dir = Path(args.out) / name
     run_dir.mkdir(parents=True, exist_ok=True)
