@@ -304,14 +304,16 @@ def test_interpreted_window_kernels(rng, assert_close, window, causal, kv_heads)
 @needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpreted_padded_length_kernels(rng, assert_close, causal):
-    """A length inside a tile (300, zero-padded to 384 as the API pads q, k, v, dO and O): keys at
-    or past the length see only masked blocks, the dQ kernel streams no key tile past it. dQ, dK, dV
-    of the 300 rows and keys against the Triton kernels interpreted and the jnp executor's backward
-    under the same Numerics and the same L and δ; the padding's dK, dV exactly zero."""
+    """A length inside a tile (300, padded to 384): keys at or past the length see only masked
+    blocks, the dQ kernel streams no key tile past it, whatever q, k, v hold there (large random
+    values here; dO is zero there, as the call pads it). dQ, dK, dV of the 300 rows and keys against
+    the Triton kernels interpreted and the jnp executor's backward under the same Numerics and the
+    same L and δ; the padding's dK, dV exactly zero."""
     n, t = 300, 384
     cfg = make_cfg(n, 64, causal=causal)
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, t - n), (0, 0), (0, 0)))
-    q, k, v, do = (pad(jnp.asarray(rng.standard_normal((1, n, 2, 64)), BF16)) for _ in range(4))
+    q, k, v = (jnp.asarray(rng.standard_normal((1, t, 2, 64)), BF16).at[:, n:].multiply(8.0)
+               for _ in range(3))
+    do = jnp.asarray(rng.standard_normal((1, t, 2, 64)), BF16).at[:, n:].set(0)
     o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
     o = jnp.asarray(o).astype(BF16)
     dlt = jitted(jnp_impl.delta, q, k, v, o, do, lse, cfg=cfg)
