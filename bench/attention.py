@@ -525,11 +525,21 @@ def main(argv=None):
     ap.add_argument("--dropin", action="store_true",
                     help="time DROPIN_CASES (jax_flash.dot_product_attention: GQA, a sliding "
                          "window) beside cuDNN and XLA instead of the shapes")
+    ap.add_argument("--cases", default=None,
+                    help="with --dropin: comma-separated DROPIN_CASES names (default: all)")
     ap.add_argument("--from-json", default=None,
                     help="re-render --md / --plot from a results file (and its -memory.json) without timing")
     args = ap.parse_args(argv)
     if args.from_json:
         records = json.load(open(args.from_json))
+        if "case" in records[0]:  # a --dropin file: its own table
+            text = dropin_table(records)
+            if args.md:
+                with open(args.md, "w") as f:
+                    f.write(text)
+            else:
+                print(text)
+            return
         mem_path = args.from_json.replace(".json", "-memory.json")
         mem = json.load(open(mem_path)) if os.path.exists(mem_path) else []
         r0 = records[0]
@@ -541,7 +551,15 @@ def main(argv=None):
                                      f"({os.path.basename(args.from_json)})")
         return
     if args.dropin:
-        records = dropin(args.reps, args.rounds, sync=args.sync)
+        cases = DROPIN_CASES
+        if args.cases:
+            names = args.cases.split(",")
+            unknown = sorted(set(names) - {c[0] for c in DROPIN_CASES})
+            if unknown:
+                ap.error(f"--cases: unknown {unknown}; DROPIN_CASES has "
+                         f"{[c[0] for c in DROPIN_CASES]}")
+            cases = tuple(c for c in DROPIN_CASES if c[0] in names)
+        records = dropin(args.reps, args.rounds, sync=args.sync, cases=cases)
         device = jax.devices()[0].device_kind.replace(" ", "_")
         out = args.out or f"bench/results/{datetime.date.today()}-{device}-dropin.json"
         with open(out, "w") as f:

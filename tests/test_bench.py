@@ -426,3 +426,22 @@ def test_dropin_times_the_hopper_kernels_where_they_cover_the_case(monkeypatch):
                               ("jax_flash_mosaic", True), ("cudnn", None), ("xla", None),
                               ("jax_flash_repeat_kv", False)]
     assert ("jax_flash_mosaic", False) in names((63, 0), k)
+
+
+def test_dropin_file_renders_its_own_table(tmp_path, capsys):
+    """--from-json on a --dropin file prints each case's ratios to cuDNN (cases sharing a shape kept
+    apart), paired by round."""
+    import json
+
+    def rec(case, impl, ms):
+        return dict(case=case, shape=[2, 8192, 16, 128], impl=impl, stable=False, causal=True,
+                    **{"pass": "fwd"}, ms=ms, rounds_ms=[ms, ms * 1.1], device="Test GPU",
+                    jax_version="x")
+
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([rec("window1024", "jax_flash", 0.5), rec("window1024", "cudnn", 0.6),
+                                rec("causal_full", "jax_flash", 1.2), rec("causal_full", "cudnn", 1.2)]))
+    bench.main(["--from-json", str(path)])
+    out = capsys.readouterr().out
+    assert "| window1024 | fwd | jax_flash | False | 0.500 | 1.20 (1.20 … 1.20) |" in out
+    assert "| causal_full | fwd | jax_flash | False | 1.200 | 1.00 (1.00 … 1.00) |" in out

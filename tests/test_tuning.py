@@ -52,7 +52,25 @@ def test_lookup_applies_on_the_measured_architecture_only(monkeypatch):
     assert tuning.lookup("fa2", 64, 2000, True) == jf.Launch(split_diagonal=True)  # no arch: any
     assert tuning.lookup("fa2", 64, 1000, False) == jf.Launch()  # no entry
     monkeypatch.setattr(tuning, "device_arch", lambda: "sm_80")
-    assert tuning.lookup("fa2", 64, 1000, True) == jf.Launch()
+    assert tuning.lookup("fa2", 64, 500, True) == jf.Launch()  # its bucket's entry is sm_90's
+    assert tuning.lookup("fa2", 64, 2000, True) == jf.Launch(split_diagonal=True)
+
+
+def test_lookup_takes_the_next_bucket_where_its_own_has_no_entry(monkeypatch):
+    mosaic = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic")
+    monkeypatch.setattr(tuning, "_table", lambda: {
+        "fa2/d128/t2048/causal": ("sm_90", jf.Launch(prefetch_rows=True)),
+        "fa2/d128/t8192/causal": ("sm_90", mosaic),
+        "fa2/d64/t1024/causal": ("sm_80", jf.Launch(split_diagonal=True))})
+    monkeypatch.setattr(tuning, "device_arch", lambda: "sm_90")
+    assert tuning.lookup("fa2", 128, 4096, True) == mosaic  # both beside it: the longer
+    assert tuning.lookup("fa2", 128, 3000, True) == mosaic
+    assert tuning.lookup("fa2", 128, 1024, True) == jf.Launch(prefetch_rows=True)  # twice: 2048
+    assert tuning.lookup("fa2", 128, 16384, True) == mosaic  # half: 8192
+    assert tuning.lookup("fa2", 128, 512, True) == jf.Launch()  # two buckets away: none
+    assert tuning.lookup("fa2", 128, 4096, False) == jf.Launch()  # another mask: none
+    assert tuning.lookup("paper", 128, 4096, True) == jf.Launch()  # another policy: none
+    assert tuning.lookup("fa2", 64, 2048, True) == jf.Launch()  # measured on another arch
 
 
 def test_device_arch_is_none_off_gpus():

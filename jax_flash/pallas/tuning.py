@@ -3,7 +3,8 @@
 ``tuning.json`` beside this file is written by ``python -m bench.tune`` on a GPU. An entry holds
 launch fields only (``spec.Launch``: kernel family, warps and stages, resident blocks, prefetching)
 plus where it was measured (``device``, ``arch``, ``jax_version``, ``ms``); it applies on GPUs of the
-architecture it was measured on. Nothing in it can change a computed value: tile sizes and numerics
+architecture it was measured on, at its length bucket and, where that has no entry, the buckets
+beside it (half and twice the length). Nothing in it can change a computed value: tile sizes and numerics
 flags are arguments of the call (``jax_flash.plan`` shows both).
 """
 
@@ -58,8 +59,14 @@ def device_arch() -> str | None:
 
 
 def lookup(policy: str, head_dim: int, seq_len: int, causal: bool) -> Launch:
-    """The table's launch for this call on this GPU; the defaults where it has none."""
-    arch, launch = _table().get(key(policy, head_dim, seq_len, causal), (None, Launch()))
-    if arch is not None and arch != device_arch():
-        return Launch()
-    return launch
+    """The table's launch for this call on this GPU: the entry of its length bucket, else of a bucket
+    one step away (half or twice the length; the longer where both exist), else the defaults. Only
+    entries measured on this GPU's architecture apply."""
+    table = _table()
+    own = key(policy, head_dim, seq_len, causal)
+    bucket = int(own.split("/")[2][1:])
+    for b in (bucket, 2 * bucket, bucket // 2):
+        arch, launch = table.get(key(policy, head_dim, b, causal), (None, None))
+        if launch is not None and (arch is None or arch == device_arch()):
+            return launch
+    return Launch()
