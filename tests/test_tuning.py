@@ -76,3 +76,11 @@ def test_lookup_takes_the_next_bucket_where_its_own_has_no_entry(monkeypatch):
 def test_device_arch_is_none_off_gpus():
     if jax.default_backend() != "gpu":
         assert tuning.device_arch() is None
+
+
+def test_shipped_table_gives_gqa_at_4096_the_mosaic_kernels_on_hopper(monkeypatch):
+    """The benchmark's GQA case (4×4096, head_dim 128, causal) has no entry of its own; the 8192
+    entry beside it applies."""
+    monkeypatch.setattr(tuning, "device_arch", lambda: "sm_90")
+    launch = tuning.lookup("fa2", 128, 4096, True)
+    assert (launch.fwd_kernel, launch.bwd_kernel) == ("mosaic", "mosaic")
