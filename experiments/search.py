@@ -4,7 +4,7 @@ does not: the settings screened, the criteria, and the verdict computed from raw
     python -m experiments.search settings                 # the registry of settings
     python -m experiments.search overrides SETTING        # its config overrides, one a line
     python -m experiments.search verdict RUN_DIR [...] [--md FILE]
-    python -m experiments.search count RUN_DIR [...] --seeds 0,2,3   # a reliability stage's decision
+    python -m experiments.search count RUN_DIR [...] --seeds 0,2,3 [--arm paper]   # a reliability stage's decision
     python -m experiments.search onsets RUN_DIR [...] [--from 1000]   # runaway onsets, a hazard estimate
 
 A setting is a set of config overrides on a preset (default small-gpu); arms come from
@@ -130,15 +130,15 @@ def verdict(run_dirs) -> list[dict]:
 STANDARD_CEILING = 100.0  # a standard execution at or above this layer-2 max logit fails the setting
 
 
-def count(rows, seeds, *, loss_need=6, runaway_need=7, futility_after=2) -> dict:
+def count(rows, seeds, *, arm="fa2", loss_need=6, runaway_need=7, futility_after=2) -> dict:
     """A reliability stage's decision (results/search/stage4.md) from ``verdict`` rows: among the
-    ``fa2`` executions of ``seeds``, how many failed at the loss and how many ran away, whether a
+    ``arm`` executions of ``seeds``, how many failed at the loss and how many ran away, whether a
     ``standard`` execution failed (at the loss, or a last probe ≥ STANDARD_CEILING), and whether
-    the futility stop holds (``futility_after`` ``fa2`` executions with no loss failure and every
-    probe below STANDARD_CEILING, judged without the ``standard`` arm)."""
+    the futility stop holds (``futility_after`` ``arm`` executions with no loss failure and every
+    probe below STANDARD_CEILING, judged without the ``standard`` arm). Keys name the arm."""
     seeds = [str(x) for x in seeds]
     by = {(r["arm"], r["seed"]): r for r in rows}
-    fa2 = [by[("fa2", x)] for x in seeds if ("fa2", x) in by]
+    fa2 = [by[(arm, x)] for x in seeds if (arm, x) in by]
     std = [by[("standard", x)] for x in seeds if ("standard", x) in by]
     loss = sum(r["loss_failure"] is not None for r in fa2)
     runaway = sum(bool(r["runaway"]) for r in fa2)
@@ -159,9 +159,9 @@ def count(rows, seeds, *, loss_need=6, runaway_need=7, futility_after=2) -> dict
         decision = "neither"
     else:
         decision = "undecided"
-    return {"seeds": n, "fa2_made": len(fa2), "standard_made": len(std), "fa2_loss_failures": loss,
-            "fa2_runaways": runaway, "fa2_judged": judged, "fa2_flat": flat,
-            "standard_failed": std_failed, "decision": decision}
+    return {"seeds": n, f"{arm}_made": len(fa2), "standard_made": len(std),
+            f"{arm}_loss_failures": loss, f"{arm}_runaways": runaway, f"{arm}_judged": judged,
+            f"{arm}_flat": flat, "standard_failed": std_failed, "decision": decision}
 
 
 ONSET_LOGIT = 300.0  # about 10x a standard execution's layer-2 max logit (29-36 at step 4,000)
@@ -249,6 +249,7 @@ def main(argv=None):
     c = sub.add_parser("count", help="a reliability stage's counts and decision (stage4.md)")
     c.add_argument("runs", nargs="+")
     c.add_argument("--seeds", required=True, help="comma-separated seeds of the stage, e.g. 0,2,3")
+    c.add_argument("--arm", default="fa2", help="the arm whose reliability is counted (default fa2)")
     n = sub.add_parser("onsets", help="each execution's runaway onset and a constant-hazard "
                        "estimate of the horizon a reliability needs (exploratory)")
     n.add_argument("runs", nargs="+")
@@ -270,7 +271,7 @@ def main(argv=None):
             print(f"P(onset by step T) = {p:.0%}: T = {fmt(mid)} (95 %: {fmt(early)} – {fmt(late)})")
         return
     if args.cmd == "count":
-        res = count(verdict(args.runs), args.seeds.split(","))
+        res = count(verdict(args.runs), args.seeds.split(","), arm=args.arm)
         for key, value in res.items():
             print(f"{key:18s} {value}")
         return

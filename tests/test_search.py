@@ -83,6 +83,14 @@ def test_count_applies_the_reliability_rule(tmp_path):
     res = search.count(search.verdict(runs), [0], runaway_need=1)
     assert res["standard_failed"] == ["standard-s0"] and res["decision"].startswith("the standard")
 
+    d = tmp_path / "d"  # another arm counted: only its executions, its name in the keys
+    d.mkdir()
+    runs = [_run(d, "paper-s0", ok, high), _run(d, "fa2-s0", ok, flat),
+            _run(d, "standard-s0", ok, [(500, 30.0), (1000, 30.0)])]
+    res = search.count(search.verdict(runs), [0], arm="paper", runaway_need=1)
+    assert (res["paper_made"], res["paper_runaways"], res["decision"]) == (1, 1, "runaway reproducer")
+    assert search.count(search.verdict(runs), [0], runaway_need=1)["decision"] == "neither"
+
 
 def test_poisson_interval_is_garwoods():
     # the exact 95 % interval for 0, 2 and 10 events (chi-square quantiles / 2)
