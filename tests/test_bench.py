@@ -243,9 +243,9 @@ def test_targets_table_from_records(tmp_path):
 
     recs = [rec("jax_flash", "fwd+bwd", 2.0, "fa2", False), rec("jax_flash", "fwd+bwd", 2.1, "fa2", True),
             rec("jax_flash", "fwd", 1.0, "fa2", False), rec("jax_flash", "fwd", 1.5, "fa2", True),
-            rec("cudnn", "fwd+bwd", 1.6), rec("jax_pallas_mha", "fwd+bwd", 3.0)]
+            rec("cudnn", "fwd+bwd", 1.6), rec("jax_pallas_mha", "fwd+bwd", 3.0), rec("cudnn", "fwd", 0.9)]
     table = bench.targets(recs)
-    assert "| 32×1024×12×64 | 0.80× | 1.50× | +5.0 % | +50.0 % | — |" in table
+    assert "| 32×1024×12×64 | 0.80× | 1.50× | +5.0 % | +50.0 % | — | 0.90× |" in table
     path = tmp_path / "2026-01-02-Test_GPU.json"
     path.write_text(json.dumps(recs))
     bench.main(["--from-json", str(path), "--md", str(tmp_path / "B.md")])
