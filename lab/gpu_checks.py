@@ -2,12 +2,17 @@
 
     python -m lab.gpu_checks order   # where do kernel and jnp executor part in the gradients?
     python -m lab.gpu_checks dropin  # the drop-in's kernels (GQA, lengths, windows) against jnp
+    python -m lab.gpu_checks same=build/ab/REV  # this tree's kernels bitwise another revision's?
 
 ``order``: the same call (fa2, random inputs) through the jnp executor and through the kernels
 under each backward kernel family, per output the share of elements within one BF16 ulp and
 bitwise — to tell a kernel-specific difference (one family parts, the other does not) from the
 structural one (both part alike: FP32 order inside products flips BF16 roundings of dS, and dQ,
 a cancellation, shows it most).
+
+``same=DIR``: forward and gradients of this tree's kernels against those of the revision under DIR
+(``python -m lab.ab prepare REV``), the Mosaic and the Triton launch at head_dim 128 and the table's
+at 64, causal or not — a change that should move no bit shows 100 % bitwise.
 
 ``dropin``: ``jax_flash.dot_product_attention`` with implementation "pallas" against "jnp" on the
 same arguments (forward and gradients), and both against ``jax.nn``'s XLA attention in FP32 on the
@@ -114,7 +119,36 @@ def dropin():
         sys.stdout.flush()
 
 
+SAME_SHAPES = [(1, 2048, 2, 128), (2, 8192, 2, 128), (4, 1024, 4, 64)]
+
+
+def same(old_dir):
+    from lab.ab import load_old
+
+    old = load_old(old_dir)
+    print(f"this tree against {old_dir}")
+    print("| shape | causal | launch | out | bitwise % | max diff / max |")
+    print("|---|---|---|---|---|---|")
+    for shape in SAME_SHAPES:
+        q, k, v, do = (randn(s, shape) for s in (1, 2, 3, 4))
+        launches = ({"fwd_kernel": "mosaic", "bwd_kernel": "mosaic"}, {}) if shape[-1] == 128 \
+            else (None,)
+        for causal in (True, False):
+            for launch in launches:
+                outs = [jax.jit(lambda q, k, v, do, m=m: grads(
+                    lambda q, k, v: m.attention(q, k, v, causal=causal, impl="pallas",
+                                                launch=launch), q, k, v, do))(q, k, v, do)
+                        for m in (jf, old)]
+                for name, a, b in zip(("O", "dQ", "dK", "dV"), *outs):
+                    bw, _, md = stats(a, b)
+                    print(f"| {shape} | {causal} | {launch} | {name} | {bw:.3f} | {md:.2e} |")
+                sys.stdout.flush()
+
+
 if __name__ == "__main__":
     print("jax", jax.__version__, jax.devices()[0].device_kind)
     for what in sys.argv[1:] or ["order", "dropin"]:
-        {"order": order, "dropin": dropin}[what]()
+        if what.startswith("same="):
+            same(what.split("=", 1)[1])
+        else:
+            {"order": order, "dropin": dropin}[what]()
