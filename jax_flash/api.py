@@ -373,8 +373,12 @@ def _plan(q, k, v, *, causal, stable, beta, sm_scale, policy, delta, impl, block
         notes.append(f"head_dim {head_dim} runs zero-padded to {kernel_d} in the kernels "
                      "(the same values)")
     explicit = launch is not None
-    lnch = _as_launch(launch) if explicit else \
-        tuning.lookup(policy, kernel_d, kv_len, causal) if on_gpu else Launch()
+    lnch = _as_launch(launch) if explicit else Launch()
+    if not explicit and on_gpu:
+        entry, lnch = tuning.lookup_entry(policy, kernel_d, kv_len, causal)
+        own = tuning.key(policy, kernel_d, kv_len, causal)
+        if entry is not None and entry != own:
+            notes.append(f"launch: tuning entry {entry} (none measured at {own})")
     lnch, why = _covered(lnch, num, q, k, explicit, kernel_d, head_dim)
     return Plan(num, lnch, executor, tuple(notes + why))
 

@@ -213,8 +213,8 @@ def test_plan_is_the_same_on_every_executor_and_machine(monkeypatch):
     assert jf.plan(x, x, x, impl="auto", **kw).numerics == base
     assert (base.block_q, base.block_k, base.scale_late) == (64, 128, True)  # "fa2" at head_dim 128
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(tuning, "lookup", lambda *a: jf.Launch(fwd_kernel="mosaic", prefetch_rows=True,
-                                                               split_diagonal=True))
+    monkeypatch.setattr(tuning, "lookup_entry", lambda *a: (
+        "fa2/d128/t1024/causal", jf.Launch(fwd_kernel="mosaic", prefetch_rows=True, split_diagonal=True)))
     p = jf.plan(x, x, x, impl="auto", **kw)
     assert p.numerics == base and p.executor == "pallas" and p.launch.split_diagonal
     assert p.launch.fwd_kernel == "triton"  # Mosaic unavailable here: the table's choice falls back

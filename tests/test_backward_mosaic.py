@@ -127,7 +127,8 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch, kernel):
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(mosaic_common, "unavailable", lambda: None)
-    monkeypatch.setattr(tuning, "lookup", lambda *a: jf.Launch(bwd_kernel=kernel))
+    monkeypatch.setattr(tuning, "lookup_entry",
+                        lambda *a: ("fa2/d64/t1024/causal", jf.Launch(bwd_kernel=kernel)))
     x = jax.ShapeDtypeStruct((1, 1024, 2, 64), BF16)
     p = jf.plan(x, x, x, stable=True)
     assert p.launch.bwd_kernel == kernel and p.launch.fwd_kernel == "triton"

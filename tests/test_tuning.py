@@ -84,3 +84,18 @@ def test_shipped_table_gives_gqa_at_4096_the_mosaic_kernels_on_hopper(monkeypatc
     monkeypatch.setattr(tuning, "device_arch", lambda: "sm_90")
     launch = tuning.lookup("fa2", 128, 4096, True)
     assert (launch.fwd_kernel, launch.bwd_kernel) == ("mosaic", "mosaic")
+
+
+def test_plan_says_when_a_neighbouring_entry_applies(monkeypatch):
+    """On a GPU (faked) a call at 4096 runs the 8192 entry's launch, and the plan's notes say so;
+    a call at 8192, its own entry, adds no note."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(tuning, "device_arch", lambda: "sm_90")
+    monkeypatch.setattr(tuning, "_table", lambda: {
+        "fa2/d128/t8192/causal": ("sm_90", jf.Launch(prefetch_rows=True))})
+    x = jax.ShapeDtypeStruct((1, 4096, 2, 128), jax.numpy.bfloat16)
+    p = jf.plan(x, x, x)
+    assert p.launch == jf.Launch(prefetch_rows=True)
+    assert "launch: tuning entry fa2/d128/t8192/causal (none measured at fa2/d128/t4096/causal)" in p.notes
+    y = jax.ShapeDtypeStruct((1, 8192, 2, 128), jax.numpy.bfloat16)
+    assert not any(n.startswith("launch:") for n in jf.plan(y, y, y).notes)

@@ -58,15 +58,22 @@ def device_arch() -> str | None:
     return f"sm_{cc.replace('.', '')}" if cc else None
 
 
-def lookup(policy: str, head_dim: int, seq_len: int, causal: bool) -> Launch:
-    """The table's launch for this call on this GPU: the entry of its length bucket, else of a bucket
-    one step away (half or twice the length; the longer where both exist), else the defaults. Only
-    entries measured on this GPU's architecture apply."""
+def lookup_entry(policy: str, head_dim: int, seq_len: int, causal: bool) -> tuple[str | None, Launch]:
+    """(the key of the entry that applies, its launch) for this call on this GPU: the entry of the
+    call's length bucket, else of a bucket one step away (half or twice the length; the longer where
+    both exist); (None, the defaults) where none does. Only entries measured on this GPU's
+    architecture apply."""
     table = _table()
     own = key(policy, head_dim, seq_len, causal)
     bucket = int(own.split("/")[2][1:])
     for b in (bucket, 2 * bucket, bucket // 2):
-        arch, launch = table.get(key(policy, head_dim, b, causal), (None, None))
+        k = key(policy, head_dim, b, causal)
+        arch, launch = table.get(k, (None, None))
         if launch is not None and (arch is None or arch == device_arch()):
-            return launch
-    return Launch()
+            return k, launch
+    return None, Launch()
+
+
+def lookup(policy: str, head_dim: int, seq_len: int, causal: bool) -> Launch:
+    """The launch ``lookup_entry`` finds for this call."""
+    return lookup_entry(policy, head_dim, seq_len, causal)[1]
