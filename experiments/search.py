@@ -6,6 +6,7 @@ does not: the settings screened, the criteria, and the verdict computed from raw
     python -m experiments.search verdict RUN_DIR [...] [--md FILE]
     python -m experiments.search count RUN_DIR [...] --seeds 0,2,3 [--arm paper]   # a reliability stage's decision
     python -m experiments.search onsets RUN_DIR [...] [--from 1000]   # runaway onsets, a hazard estimate
+    python -m experiments.search series RUN_DIR [...] [--window 500]  # probe series, loss, grad norms
 
 A setting is a set of config overrides on a preset (default small-gpu); arms come from
 experiments/arms.py. The design of each stage — which settings, arms, seeds and steps, and what
@@ -222,6 +223,48 @@ def onsets(records, *, start: int, threshold: float = ONSET_LOGIT,
             "hazard_95": interval, "horizons": horizons, "start": start, "threshold": threshold}
 
 
+def series(run_dir, *, window: int = 500) -> dict:
+    """What a stage's results write out per execution, from its metrics: layer 2's max logit at
+    every probe, and per ``window`` steps the mean training loss and the largest and median
+    gradient norm (a last, shorter window where the run ends inside one)."""
+    from train.gpt2 import read_metrics
+
+    recs = read_metrics(run_dir)
+    probes = [(r["step"], r["max_logit/L1"]) for r in recs if r.get("max_logit/L1") is not None]
+    train = [r for r in recs if "loss" in r]
+    windows = []
+    if train:
+        last = train[-1]["step"]
+        for lo in range(0, last, window):
+            rows = [r for r in train if lo < r["step"] <= lo + window]
+            if not rows:
+                continue
+            norms = sorted(r["grad_norm"] for r in rows if "grad_norm" in r)
+            windows.append({"steps": (lo + 1, min(lo + window, last)),
+                            "loss": sum(r["loss"] for r in rows) / len(rows),
+                            "grad_norm_max": norms[-1] if norms else None,
+                            "grad_norm_median": norms[len(norms) // 2] if norms else None})
+    return {"run": Path(run_dir).name, "probes": probes, "windows": windows}
+
+
+def series_markdown(results) -> str:
+    """``series`` of several runs as the lines a stage's results file quotes."""
+    fmt = lambda v: f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+    out = []
+    for res in results:
+        pr = res["probes"]
+        first = f" from step {pr[0][0]:,} every {pr[1][0] - pr[0][0]:,}" if len(pr) > 1 else ""
+        out.append(f"- `{res['run']}`, layer 2's max logit{first}: " + " ".join(fmt(v) for _, v in pr))
+        w = res["windows"]
+        if w:
+            out.append(f"  training loss per {w[0]['steps'][1] - w[0]['steps'][0] + 1:,} steps: "
+                       + " ".join(f"{x['loss']:.2f}" for x in w))
+            out.append("  largest / median gradient norm: " + " ".join(
+                f"{x['grad_norm_max']:.2f}/{x['grad_norm_median']:.2f}" for x in w
+                if x["grad_norm_max"] is not None))
+    return "\n".join(out) + "\n"
+
+
 def markdown(rows) -> str:
     num = lambda x, f="{:,.1f}": "—" if x is None else f.format(x)
     lines = ["| run | steps | loss failure at | mean loss, last 50 | L1 max logit, last probe | "
@@ -250,6 +293,10 @@ def main(argv=None):
     c.add_argument("runs", nargs="+")
     c.add_argument("--seeds", required=True, help="comma-separated seeds of the stage, e.g. 0,2,3")
     c.add_argument("--arm", default="fa2", help="the arm whose reliability is counted (default fa2)")
+    e = sub.add_parser("series", help="per execution: layer 2's max logit at every probe, the "
+                       "mean loss and gradient norms per window")
+    e.add_argument("runs", nargs="+")
+    e.add_argument("--window", type=int, default=500)
     n = sub.add_parser("onsets", help="each execution's runaway onset and a constant-hazard "
                        "estimate of the horizon a reliability needs (exploratory)")
     n.add_argument("runs", nargs="+")
@@ -269,6 +316,9 @@ def main(argv=None):
               f"{res['start']:,}: hazard {res['hazard'] or 0:.3g} per step (95 % {lo or 0:.3g} – {hi or 0:.3g})")
         for p, (mid, early, late) in res["horizons"].items():
             print(f"P(onset by step T) = {p:.0%}: T = {fmt(mid)} (95 %: {fmt(early)} – {fmt(late)})")
+        return
+    if args.cmd == "series":
+        print(series_markdown([series(d, window=args.window) for d in args.runs]), end="")
         return
     if args.cmd == "count":
         res = count(verdict(args.runs), args.seeds.split(","), arm=args.arm)

@@ -117,3 +117,21 @@ def test_onsets_and_the_constant_hazard_horizon():
     assert mid == pytest.approx(1000 + math.log(2) * 4500)
     assert early < mid < late
     assert late == pytest.approx(1000 + math.log(2) / (search._poisson_interval(2)[0] / 9000))
+
+
+def test_series_reads_probes_losses_and_gradient_norms(tmp_path):
+    """series: the probe values in step order, the loss mean and gradient norms per window, and a
+    last shorter window; the markdown quotes them."""
+    d = tmp_path / "fa2-s0"
+    d.mkdir()
+    recs = [{"step": s, "loss": float(s), "grad_norm": float(s % 7)} for s in range(1, 1201)]
+    recs[499]["max_logit/L1"], recs[999]["max_logit/L1"] = 40.0, 2500.0
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    res = search.series(d, window=500)
+    assert res["probes"] == [(500, 40.0), (1000, 2500.0)]
+    assert [w["steps"] for w in res["windows"]] == [(1, 500), (501, 1000), (1001, 1200)]
+    assert res["windows"][0]["loss"] == pytest.approx(250.5)
+    assert res["windows"][2]["loss"] == pytest.approx(1100.5)
+    assert res["windows"][0]["grad_norm_max"] == 6.0
+    md = search.series_markdown([res])
+    assert "from step 500 every 500: 40 2,500" in md and "per 500 steps: 250.50 750.50 1100.50" in md
