@@ -4,8 +4,8 @@
 launch fields only (``spec.Launch``: kernel family, warps and stages, resident blocks, prefetching)
 plus where it was measured (``device``, ``arch``, ``jax_version``, ``ms``); it applies on GPUs of the
 architecture it was measured on, at its length bucket and, where that has no entry, the buckets
-beside it (half and twice the length). Nothing in it can change a computed value: tile sizes and numerics
-flags are arguments of the call (``jax_flash.plan`` shows both).
+beside it (half and twice the length). Nothing in it can change a computed value: tile sizes and
+numerics flags are arguments of the call (``jax_flash.plan`` shows both).
 """
 
 from __future__ import annotations
