@@ -240,7 +240,8 @@ def test_table_choice_falls_back_explicit_launch_raises(monkeypatch):
     x = jax.ShapeDtypeStruct((1, 256, 1, 64), BF16)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(mosaic_common, "unavailable", lambda: "no Hopper here (test)")
-    monkeypatch.setattr(tuning, "lookup", lambda *a: jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic"))
+    monkeypatch.setattr(tuning, "lookup_entry",
+                        lambda *a: (None, jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic")))
     p = jf.plan(x, x, x, impl="pallas")
     assert (p.launch.fwd_kernel, p.launch.bwd_kernel) == ("triton", "triton")
     with pytest.raises(ValueError, match="Mosaic GPU kernels cannot run this call.*no Hopper"):

@@ -137,7 +137,7 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch):
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(mosaic_common, "unavailable", lambda: None)
-    monkeypatch.setattr(tuning, "lookup", lambda *a: jf.Launch(fwd_kernel="mosaic"))
+    monkeypatch.setattr(tuning, "lookup_entry", lambda *a: (None, jf.Launch(fwd_kernel="mosaic")))
     x = jax.ShapeDtypeStruct((1, 1024, 2, 64), BF16)
     assert jf.plan(x, x, x).launch.fwd_kernel == "mosaic"
     y = jax.ShapeDtypeStruct((1, 1024, 2, 32), BF16)
