@@ -244,12 +244,13 @@ def test_table_choice_falls_back_explicit_launch_raises(monkeypatch):
                         lambda *a: (None, jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic")))
     p = jf.plan(x, x, x, impl="pallas")
     assert (p.launch.fwd_kernel, p.launch.bwd_kernel) == ("triton", "triton")
+    assert "fwd_kernel: triton for mosaic (no Hopper here (test))" in p.notes  # the entry was seen
     with pytest.raises(ValueError, match="Mosaic GPU kernels cannot run this call.*no Hopper"):
         jf.plan(x, x, x, impl="pallas", launch={"fwd_kernel": "mosaic"})
     # available, but the call is not covered ("paper"): the same two outcomes
     monkeypatch.setattr(mosaic_common, "unavailable", lambda: None)
     p = jf.plan(x, x, x, impl="pallas", policy="paper", block_k=64)
-    assert p.launch.fwd_kernel == "triton"
+    assert p.launch.fwd_kernel == "triton" and any("policy 'paper'" in n for n in p.notes)
     with pytest.raises(ValueError, match="policy 'paper'"):
         jf.plan(x, x, x, impl="pallas", policy="paper", block_k=64, launch={"fwd_kernel": "mosaic"})
     assert jf.plan(x, x, x, impl="pallas", launch={"fwd_kernel": "mosaic"}).launch.fwd_kernel == "mosaic"
