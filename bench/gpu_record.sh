@@ -2,9 +2,10 @@
 # The GPU record of one revision, in one call on a GPU machine: the GPU tests (their log is the
 # evidence that the kernels compute the jnp executor's numerics under every shipped tuning entry),
 # the side-by-side attention benchmark at the three shapes of record, and optionally the training
-# step. Everything lands under $OUT (at most 8 files come back from the device machine).
-# Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step]      (default: tests bench)
-# Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET (seconds); SHAPES for the benchmark;
+# step and the drop-in beside cuDNN (`dropin`: bench.attention --dropin, kernel throughput). Everything lands under $OUT (at most 8 files come back from the device machine).
+# Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step] [dropin]   (default: tests bench)
+# Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET, DROPIN_TIMEOUT (seconds);
+#      SHAPES for the benchmark;
 #      STEP_ARMS, STEP_BATCH for the step (bench.train_step --arms, --batch);
 #      K selects GPU tests (pytest -k).
 # `step` alone writes 6 files: env.txt, train_step.{json,log}, profile/{profile.md,trace.json.gz,
@@ -44,5 +45,12 @@ if [[ " $parts " == *" step "* ]]; then
     --profile "$OUT/profile" --budget "${STEP_BUDGET:-520}" \
     --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "train step: exit $r"; tail -14 "$OUT/train_step.log"
+fi
+if [[ " $parts " == *" dropin "* ]]; then
+  # jax_flash.dot_product_attention beside cuDNN and XLA (GQA, a window, its causal baseline),
+  # kernel throughput: a round's calls back to back, one wait
+  timeout "${DROPIN_TIMEOUT:-240}" python3 -m bench.attention --dropin --sync round --reps 20 --rounds 4 \
+    --out "$OUT/dropin.json" > "$OUT/dropin.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
+  echo "dropin: exit $r"; tail -32 "$OUT/dropin.log"
 fi
 exit $rc
