@@ -2,7 +2,8 @@
 # The GPU record of one revision, in one call on a GPU machine: the GPU tests (their log is the
 # evidence that the kernels compute the jnp executor's numerics under every shipped tuning entry),
 # the side-by-side attention benchmark at the three shapes of record, and optionally the training
-# step and the drop-in beside cuDNN (`dropin`: bench.attention --dropin, kernel throughput). Everything lands under $OUT (at most 8 files come back from the device machine).
+# step and the drop-in beside cuDNN (`dropin`: bench.attention --dropin, kernel throughput).
+# Everything lands under $OUT (at most 8 files come back from the device machine).
 # Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step] [dropin]   (default: tests bench)
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET, DROPIN_TIMEOUT (seconds);
 #      SHAPES for the benchmark;
