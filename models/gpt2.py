@@ -113,6 +113,9 @@ class GPTConfig:
     # intermediates: the same elementwise operations on the same values, so every gradient is
     # bit-identical (tests/test_model.py, on the device the tests run on); less memory traffic
     recompute_gelu: bool = False
+    # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
+    # kernel per pass (models/layernorm.py), its FP32 sums in another order: last bits differ
+    layernorm: str = "xla"
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
     # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
@@ -135,6 +138,8 @@ class GPTConfig:
                 raise choice_error(name, getattr(self, name), DTYPES)
         if not isinstance(self.recompute_gelu, bool):
             raise ValueError(f"recompute_gelu must be true or false, got {self.recompute_gelu!r}")
+        if self.layernorm not in LAYERNORMS:
+            raise choice_error("layernorm", self.layernorm, LAYERNORMS)
         if not (isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std)
                 and self.init_std > 0):
             raise ValueError(f"init_std must be a finite number > 0, got {self.init_std!r}")
@@ -352,6 +357,19 @@ def _gelu(h):
     return jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
 
 
+LAYERNORMS = ("xla", "pallas")
+
+
+def _normed(ln, x, dtype, kind: str):
+    """``ln`` (an ``nnx.LayerNorm`` without bias, FP32) of ``x``, returned in ``dtype``: flax's
+    module, or with ``kind == "pallas"`` the Pallas kernels on the module's scale."""
+    if kind == "pallas":
+        from models.layernorm import layer_norm
+
+        return layer_norm(x, ln.scale[...], ln.epsilon, jnp.dtype(dtype))
+    return ln(x).astype(dtype)
+
+
 def _layer_norm(d, pdt, rngs):
     # Two-pass variance, as torch.nn.LayerNorm: the one-pass E[x²] − E[x]² loses digits when a
     # token's features share a large offset (1.5e-3 error at offset 100; docs/REPRODUCTION.md).
@@ -369,13 +387,14 @@ class Block(nnx.Module):
         self.ln_2 = _layer_norm(cfg.n_embd, pdt, rngs)
         self.mlp = MLP(cfg, rngs=rngs)
         self.dtype = _dt(cfg.dtype)
+        self.layernorm = cfg.layernorm
 
     def __call__(self, x, capture: dict | None = None):
-        h = self.ln_1(x).astype(self.dtype)
+        h = _normed(self.ln_1, x, self.dtype, self.layernorm)
         if capture is not None:
             capture["x"] = h  # the attention input, for dW_Q = x^T dQ analyses
         x = x + self.attn(h, capture)
-        x = x + self.mlp(self.ln_2(x).astype(self.dtype))
+        x = x + self.mlp(_normed(self.ln_2, x, self.dtype, self.layernorm))
         if capture is not None:
             capture["resid"] = x  # block output (residual stream), for train/probes.py
         return x
@@ -412,8 +431,8 @@ class GPT(nnx.Module):
             x = block(x, cap)
             if return_intermediates:
                 captures.append(cap)
-        x = self.ln_f(x)
         dt = _dt(cfg.dtype)
+        x = _normed(self.ln_f, x, dt if cfg.layernorm == "pallas" else jnp.float32, cfg.layernorm)
         # the head's output dtype: FP32, or bf16 as autocast makes it — then the gradient of the
         # logits is bf16 too and the head's backward GEMMs run in bf16, as nanoGPT's do
         out_dt = _dt(cfg.logits_dtype)

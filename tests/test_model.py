@@ -380,3 +380,29 @@ def test_layer_norm_keeps_digits_when_features_share_a_large_offset(rng):
         want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
         got = np.asarray(ln(jnp.asarray(x)), np.float64)
         assert np.abs(got - want).max() < tol, offset
+
+
+def test_pallas_layernorm_option_agrees_to_fp32_noise():
+    """model.layernorm="pallas" (models/layernorm.py, interpreted here) in a float32 model: the loss
+    and every gradient agree with flax's LayerNorm to FP32 noise. Each of the 5 LayerNorms is within
+    4·d·u of its outputs' size forward and 8·d·u backward (tests/test_layernorm.py); allowing a
+    conditioning factor of 10 through the layers, forward and backward: rtol 10·10·8·d·u."""
+    import dataclasses
+
+    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32, dtype="float32")
+    idx = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 128
+
+    def loss(m):
+        return gpt2.cross_entropy(m(idx[:, :-1]), idx[:, 1:])
+
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
+    want = value_and_grad(GPT(cfg, rngs=nnx.Rngs(0)))
+    got = value_and_grad(GPT(dataclasses.replace(cfg, layernorm="pallas"), rngs=nnx.Rngs(0)))
+    rtol = 10 * 10 * 8 * cfg.n_embd * 2.0 ** -24
+    scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want[1]))
+    chex.assert_trees_all_close(got, want, rtol=rtol, atol=rtol * scale)
+    assert got[0] != want[0] or any(bool(jnp.any(a != b)) for a, b in
+                                    zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))), \
+        "the option did not reach the model"
+    with pytest.raises(ValueError, match="layernorm"):
+        dataclasses.replace(cfg, layernorm="fused")

@@ -1,0 +1,148 @@
+"""LayerNorm (no bias) as two Pallas kernels: ``GPTConfig.layernorm = "pallas"``.
+
+XLA compiles the model's two-pass LayerNorm and its autodiff into several fusions, the backward's
+reading the activations many times over (the step profile, docs/PERFORMANCE.md). Here a program
+takes ``BLOCK_ROWS`` whole rows: the forward reads each row once and writes the normalised row in
+the output dtype with the row's mean and 1/σ; the backward reads x, dy and those two once and writes
+dx and a per-program partial of d(scale), summed afterwards. The arithmetic is the two-pass
+LayerNorm's (mean, then the mean of squared deviations, eps inside the square root) and its exact
+gradient, in FP32; the sums run in another order than XLA's, so last bits differ from the default
+``"xla"`` LayerNorm — an opt-in named option, not bit-neutral.
+
+Rows are loaded in chunks of ``chunk`` features (a power of two dividing the width: Triton's tensors
+are powers of two), e.g. three of 256 for GPT-2's 768.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+BLOCK_ROWS = 16  # rows per program
+
+
+NUM_WARPS = 4
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def _compiler_params():
+    """Triton's (passing them selects the Triton backend over Mosaic GPU); none when interpreted."""
+    if _interpret():
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+
+
+def chunk_width(d: int, cap: int = 256) -> int:
+    """The largest power of two ≤ ``cap`` that divides ``d``."""
+    c = 1
+    while c * 2 <= cap and d % (c * 2) == 0:
+        c *= 2
+    return c
+
+
+def _rows_per_program(n: int) -> int:
+    br = BLOCK_ROWS
+    while n % br:
+        br //= 2
+    return br
+
+
+def _chunks(ref, d, c):
+    return [ref[:, pl.ds(i * c, c)] for i in range(d // c)]
+
+
+def _fwd_kernel(x_ref, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps: float):
+    xs = [x.astype(jnp.float32) for x in _chunks(x_ref, d, c)]
+    mean = sum(jnp.sum(x, axis=1) for x in xs) / d
+    cs = [x - mean[:, None] for x in xs]
+    var = sum(jnp.sum(v * v, axis=1) for v in cs) / d
+    rstd = lax.rsqrt(var + eps)
+    for i, v in enumerate(cs):
+        w = w_ref[pl.ds(i * c, c)].astype(jnp.float32)
+        y_ref[:, pl.ds(i * c, c)] = (v * rstd[:, None] * w[None, :]).astype(y_ref.dtype)
+    mean_ref[...] = mean
+    rstd_ref[...] = rstd
+
+
+def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: int, c: int):
+    mean, rstd = mean_ref[...], rstd_ref[...]
+    xhat = [(x.astype(jnp.float32) - mean[:, None]) * rstd[:, None] for x in _chunks(x_ref, d, c)]
+    dys = [g.astype(jnp.float32) for g in _chunks(dy_ref, d, c)]
+    ws = [w_ref[pl.ds(i * c, c)].astype(jnp.float32) for i in range(d // c)]
+    gs = [g * w[None, :] for g, w in zip(dys, ws)]
+    c1 = sum(jnp.sum(g * xh, axis=1) for g, xh in zip(gs, xhat)) / d  # mean(g·x̂)
+    c2 = sum(jnp.sum(g, axis=1) for g in gs) / d  # mean(g)
+    for i, (g, xh, dy) in enumerate(zip(gs, xhat, dys)):
+        dx_ref[:, pl.ds(i * c, c)] = ((g - c2[:, None] - xh * c1[:, None])
+                                      * rstd[:, None]).astype(dx_ref.dtype)
+        dw_ref[0, pl.ds(i * c, c)] = jnp.sum(dy * xh, axis=0)
+
+
+def _forward(x2, w, eps, out_dtype):
+    n, d = x2.shape
+    c, br = chunk_width(d), _rows_per_program(n)
+    row = pl.BlockSpec((br, d), lambda i: (i, 0))
+    vec = pl.BlockSpec((br,), lambda i: (i,))
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, d=d, c=c, eps=eps),
+        grid=(n // br,),
+        in_specs=[row, pl.BlockSpec((d,), lambda i: (0,))],
+        out_specs=[row, vec, vec],
+        out_shape=[jax.ShapeDtypeStruct((n, d), out_dtype),
+                   jax.ShapeDtypeStruct((n,), jnp.float32),
+                   jax.ShapeDtypeStruct((n,), jnp.float32)],
+        interpret=_interpret(),
+        compiler_params=_compiler_params(),
+        name="model_layernorm_fwd",
+    )(x2, w)
+
+
+def _backward(x2, w, mean, rstd, dy2):
+    n, d = x2.shape
+    c, br = chunk_width(d), _rows_per_program(n)
+    row = pl.BlockSpec((br, d), lambda i: (i, 0))
+    vec = pl.BlockSpec((br,), lambda i: (i,))
+    dx, dw_parts = pl.pallas_call(
+        functools.partial(_bwd_kernel, d=d, c=c),
+        grid=(n // br,),
+        in_specs=[row, pl.BlockSpec((d,), lambda i: (0,)), vec, vec, row],
+        out_specs=[row, pl.BlockSpec((1, d), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((n, d), x2.dtype),
+                   jax.ShapeDtypeStruct((n // br, d), jnp.float32)],
+        interpret=_interpret(),
+        compiler_params=_compiler_params(),
+        name="model_layernorm_bwd",
+    )(x2, w, mean, rstd, dy2)
+    return dx, jnp.sum(dw_parts, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def layer_norm(x, scale, eps: float = 1e-5, out_dtype=jnp.float32):
+    """LayerNorm over the last axis of ``x`` with ``scale`` (no bias), in FP32, the result in
+    ``out_dtype``. Differentiable in ``x`` and ``scale``."""
+    return _fwd(x, scale, eps, out_dtype)[0]
+
+
+def _fwd(x, scale, eps, out_dtype):
+    d = x.shape[-1]
+    y, mean, rstd = _forward(x.reshape(-1, d), scale, eps, jnp.dtype(out_dtype))
+    return y.reshape(x.shape), (x, scale, mean, rstd)
+
+
+def _bwd(eps, out_dtype, res, g):
+    x, scale, mean, rstd = res
+    d = x.shape[-1]
+    dx, dw = _backward(x.reshape(-1, d), scale, mean, rstd, g.reshape(-1, d))
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(scale.dtype)
+
+
+layer_norm.defvjp(_fwd, _bwd)

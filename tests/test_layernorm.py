@@ -1,0 +1,120 @@
+"""models/layernorm.py: the Pallas LayerNorm (interpret mode here) against flax's two-pass LayerNorm
+in float64, within bounds from the FP32 sums' lengths, and lowered to Triton for CUDA."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.layernorm import chunk_width, layer_norm
+
+U = 2.0 ** -24  # FP32 unit roundoff
+EPS = 1e-5
+
+
+def _inputs(rng, n, d, offset=0.0):
+    x = rng.standard_normal((n, d)) * 2.0 + offset
+    w = 1.0 + 0.1 * rng.standard_normal(d)
+    dy = rng.standard_normal((n, d))
+    return x, w, dy
+
+
+def _reference(x, w, dy):
+    """float64 LayerNorm and its exact gradient."""
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + EPS)
+    xhat = (x - mean) * rstd
+    g = dy * w
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return xhat * w, dx, (dy * xhat).sum(0), xhat, rstd, g
+
+
+def _grads(fn, x, w, dy):
+    y, vjp = jax.vjp(fn, x, w)
+    return (y,) + vjp(dy)
+
+
+@pytest.mark.parametrize("n,d,offset", [(64, 768, 0.0), (48, 96, 0.0), (32, 768, 100.0)],
+                         ids=["gpt2-width", "odd-chunks", "offset-100"])
+def test_matches_float64_within_the_sums_bounds(rng, assert_close, n, d, offset):
+    x, w, dy = _inputs(rng, n, d, offset)
+    y, dx, dw = _grads(layer_norm, *(jnp.asarray(a, jnp.float32) for a in (x, w)),
+                       jnp.asarray(dy, jnp.float32))
+    y_ref, dx_ref, dw_ref, xhat, rstd, g = _reference(x, w, dy)
+    # a sum of d FP32 terms errs by at most d·u of the sum of their magnitudes; the mean's error
+    # enters x − mean, amplified by 1/σ (|offset|·rstd)
+    amp = 1.0 + np.abs(x).mean(-1, keepdims=True) * rstd
+    y_bound = 4 * d * U * amp * (np.abs(xhat) + 1) * np.abs(w)
+    chex.assert_trees_all_equal_shapes_and_dtypes(y, jnp.zeros((n, d), jnp.float32))
+    assert_close(y, y_ref, y_bound, "y")
+    terms = np.abs(g) + np.abs(g).mean(-1, keepdims=True) + np.abs(xhat) * np.abs(g * xhat).mean(
+        -1, keepdims=True)
+    dx_bound = 8 * d * U * amp * (rstd * terms + np.abs(dx_ref))
+    assert_close(dx, dx_ref, dx_bound, "dx")
+    dw_bound = 8 * (n + d) * U * (amp * np.abs(dy) * (np.abs(xhat) + 1)).sum(0)
+    assert_close(dw, dw_ref, dw_bound, "dscale")
+
+
+def test_agrees_with_flax_layernorm_and_rounds_to_the_output_dtype(rng):
+    """The model's default LayerNorm (flax, two-pass variance) and this one give the same values to
+    FP32 noise; asked for bf16, the output is the FP32 result rounded once."""
+    x, w, dy = _inputs(rng, 32, 768)
+    ln = nnx.LayerNorm(768, epsilon=EPS, use_bias=False, dtype=jnp.float32, use_fast_variance=False,
+                       rngs=nnx.Rngs(0))
+    ln.scale[...] = jnp.asarray(w, jnp.float32)
+    xf = jnp.asarray(x, jnp.float32)
+    ours = layer_norm(xf, ln.scale[...])
+    chex.assert_trees_all_close(ours, ln(xf), atol=4 * 768 * U * 8, rtol=0)
+    bf = layer_norm(xf, ln.scale[...], EPS, jnp.bfloat16)
+    chex.assert_type(bf, jnp.bfloat16)
+    chex.assert_trees_all_equal(bf, ours.astype(jnp.bfloat16))
+
+
+def test_leading_axes_and_jit(rng):
+    """[batch, seq, d] in, the same shape out, under jit, with the gradient in x's dtype."""
+    x, w, dy = _inputs(rng, 2 * 24, 96)
+    x3 = jnp.asarray(x.reshape(2, 24, 96), jnp.float32)
+    f = jax.jit(lambda x, w: layer_norm(x, w, EPS, jnp.bfloat16).astype(jnp.float32).sum())
+    dx, dw = jax.grad(f, argnums=(0, 1))(x3, jnp.asarray(w, jnp.float32))
+    chex.assert_shape(dx, (2, 24, 96))
+    chex.assert_type(dx, jnp.float32)
+    chex.assert_shape(dw, (96,))
+
+
+def test_chunks_are_powers_of_two_dividing_the_width():
+    assert [chunk_width(d) for d in (768, 1024, 96, 80, 7)] == [256, 256, 32, 16, 1]
+
+
+def test_lowers_to_triton_for_cuda(monkeypatch):
+    """Forward and backward lower to Triton modules for CUDA on a CPU (``jax.export``, the kernels
+    made to run compiled and the lowering told it targets an sm_90 GPU): Triton takes only
+    power-of-two tensors, which the row chunks keep to at GPT-2's width."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    import models.layernorm as lnmod
+
+    seen = []
+    lower = reg.lowering.lower_jaxpr_to_triton_module
+
+    def spy(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        seen.append(str(result.module))
+        return result
+
+    class Sm90:
+        compute_capability = "9.0"
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
+    monkeypatch.setattr(lnmod, "_interpret", lambda: False)
+    if hasattr(reg, "gpu_info_lib"):
+        monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", Sm90)
+    x = jax.ShapeDtypeStruct((4, 1024, 768), jnp.float32)
+    w = jax.ShapeDtypeStruct((768,), jnp.float32)
+    f = jax.jit(jax.grad(lambda x, w: layer_norm(x, w, EPS, jnp.bfloat16).astype(jnp.float32).sum(),
+                         argnums=(0, 1)))
+    jax.export.export(f, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(x, w)
+    assert len(seen) == 2 and all("tt.func" in m for m in seen)
