@@ -432,7 +432,7 @@ class GPT(nnx.Module):
             if return_intermediates:
                 captures.append(cap)
         dt = _dt(cfg.dtype)
-        x = _normed(self.ln_f, x, dt if cfg.layernorm == "pallas" else jnp.float32, cfg.layernorm)
+        x = _normed(self.ln_f, x, dt, cfg.layernorm)  # the head takes x in the compute dtype
         # the head's output dtype: FP32, or bf16 as autocast makes it — then the gradient of the
         # logits is bf16 too and the head's backward GEMMs run in bf16, as nanoGPT's do
         out_dt = _dt(cfg.logits_dtype)

@@ -22,14 +22,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_flash.pallas.common import interpret_mode as _interpret
+
 BLOCK_ROWS = 16  # rows per program
-
-
 NUM_WARPS = 4
-
-
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
 
 
 def _compiler_params():
