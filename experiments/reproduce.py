@@ -309,12 +309,20 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
     the L1 max logit at ``horizon`` (or the last probe before it, marked as such), the first step
     above 100, and whether it is ≥ ``factor``× the seed's control arm at the same step (the control's
     first execution found in ``control_roots``, default ``roots``: a set of replicates that has no
-    control run of its own takes it from the first executions' folder). Returns {(arm, seed): [cell or None per root]} and per arm the counts
-    (n, k, k100): of the n executions that reached the horizon, k are ≥ factor× the control and k100
-    went above 100."""
+    control run of its own takes it from the first executions' folder). An execution the divergence
+    stop ended before the horizon (``diverged_at`` in its summary.json) failed at the loss: it is
+    counted, and on both endpoints — dropping it would drop an arm's worst outcomes. Returns
+    {(arm, seed): [cell or None per root]} and per arm the counts (n, k, k100): of the n executions
+    that reached the horizon or diverged before it, k are ≥ factor× the control or diverged and k100
+    went above 100 or diverged."""
     from train.gpt2 import has_metrics, read_metrics
 
     key = f"max_logit/{tag}"
+
+    def diverged_at(d):
+        f = Path(d) / "summary.json"
+        at = json.loads(f.read_text()).get("diverged_at") if f.exists() else None
+        return at if at is not None and at <= horizon else None
 
     def probe_series(d):
         return [r for r in read_metrics(d) if r.get(key) is not None and r["step"] <= horizon]
@@ -340,14 +348,15 @@ def execution_cells(roots, arms, seeds, horizon=4000, control="standard", factor
                 last = pts[-1]
                 ctrl = ctrl_at(seed, last["step"])
                 ratio = last[key] / ctrl if ctrl else None
+                div = diverged_at(d)
                 cell = {"step": last["step"], "max_logit": last[key], "ratio": ratio,
                         "first_above_100": first_step_above(pts, key, 100),
-                        "complete": last["step"] == horizon}
+                        "diverged_at": div, "complete": last["step"] == horizon or div is not None}
                 row.append(cell)
-                if cell["complete"] and ratio is not None:
+                if cell["complete"] and (ratio is not None or div is not None):
                     n, k, k100 = counts.get(arm, (0, 0, 0))
-                    counts[arm] = (n + 1, k + int(ratio >= factor),
-                                   k100 + int(cell["first_above_100"] is not None))
+                    counts[arm] = (n + 1, k + int(div is not None or ratio >= factor),
+                                   k100 + int(div is not None or cell["first_above_100"] is not None))
             cells[(arm, seed)] = row
     return cells, counts
 
@@ -370,13 +379,17 @@ def executions_cmd(args):
         if c is None:
             return "—"
         v = f"{c['max_logit']:,.0f}" if c["max_logit"] >= 100 else f"{c['max_logit']:.1f}"
-        v = f"**{v}**" if c["ratio"] is not None and c["ratio"] >= args.factor else v
-        where = "" if c["complete"] else f" at {c['step']:,}"
+        hit = c["diverged_at"] is not None or (c["ratio"] is not None and c["ratio"] >= args.factor)
+        v = f"**{v}**" if hit else v
+        where = "" if c["step"] == args.horizon else f" at {c['step']:,}"
+        if c["diverged_at"] is not None:
+            where += f", diverged at {c['diverged_at']:,}"
         first = f" (> 100 at {c['first_above_100']:,})" if c["first_above_100"] else ""
         return v + where + first
 
     lines = [f"L1 max logit at step {args.horizon:,} per execution (1 / 2 / …: "
-             + ", ".join(args.roots) + f"); bold: ≥ {args.factor:g}× the seed's {args.control} arm",
+             + ", ".join(args.roots) + f"); bold: ≥ {args.factor:g}× the seed's {args.control} arm"
+             " or stopped by the divergence stop (counted as reaching both endpoints)",
              "", "| arm | " + " | ".join(f"seed {s}" for s in seeds)
              + f" | ≥ {args.factor:g}× {args.control} by {args.horizon:,} | > 100 by {args.horizon:,} |",
              "|---|" + "---|" * (len(seeds) + 2)]

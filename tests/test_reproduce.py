@@ -151,7 +151,7 @@ def test_execution_cells_count_complete_executions_against_the_seeds_control(tmp
     """`reproduce executions`: execution i is roots[i]/<arm>-s<seed>; a cell is the L1 max logit at
     the horizon, compared with the seed's control at the same step; only executions that reached the
     horizon are counted, and one below 10× is not."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     base = rng.uniform(20, 40, size=8)
     e1, e2 = tmp_path / "e1", tmp_path / "e2"
     _fake_run(e1 / "standard-s0", base)
@@ -198,3 +198,28 @@ def test_execution_cells_count_complete_executions_against_the_seeds_control(tmp
     cells, counts = R.execution_cells([rep], ["fa2"], [0], control_roots=[e1])
     assert counts == {"fa2": (1, 1, int(base[7] * 12.0 > 100))}
     assert abs(cells[("fa2", 0)][0]["ratio"] - 12.0) < 1e-9
+
+
+def test_execution_cells_count_a_diverged_execution_on_both_endpoints(tmp_path):
+    """An execution the divergence stop ended before the horizon failed at the loss: it is counted
+    (not dropped as incomplete) and counts on both endpoints, even with its last probe low; one
+    that diverged after the horizon is judged at the horizon like any other."""
+    base = [30.0] * 8
+    _fake_run(tmp_path / "standard-s0", base)
+    _fake_run(tmp_path / "paper-s0", base[:5])  # last probe 30 at 2,500, then diverged
+    (tmp_path / "paper-s0" / "summary.json").write_text(json.dumps({"diverged_at": 2593}))
+    _fake_run(tmp_path / "paper-s1", base[:5])  # ended early without diverging: not counted
+    _fake_run(tmp_path / "standard-s1", base)
+    _fake_run(tmp_path / "fa2-s0", base[:6])
+    (tmp_path / "fa2-s0" / "summary.json").write_text(json.dumps({"diverged_at": 3500}))
+    cells, counts = R.execution_cells([tmp_path], ["paper", "fa2"], [0, 1], horizon=3000)
+    assert counts == {"paper": (1, 1, 1), "fa2": (1, 0, 0)}
+    c = cells[("paper", 0)][0]
+    assert c["complete"] and c["diverged_at"] == 2593 and c["first_above_100"] is None
+    assert cells[("paper", 1)][0]["complete"] is False
+    assert cells[("fa2", 0)][0]["diverged_at"] is None and cells[("fa2", 0)][0]["complete"]
+    R.main(["executions", str(tmp_path), "--arms", "paper,standard", "--seeds", "0",
+            "--horizon", "3000", "--md", str(tmp_path / "x.md"), "--compare", "paper:standard"])
+    md = (tmp_path / "x.md").read_text()
+    assert "**30.0** at 2,500, diverged at 2,593" in md
+    assert "≥ 10× standard by 3,000: paper 1 of 1 vs standard 0 of 1" in md
