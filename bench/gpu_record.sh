@@ -8,6 +8,8 @@
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET, DROPIN_TIMEOUT (seconds);
 #      SHAPES for the benchmark;
 #      STEP_ARMS, STEP_BATCH for the step (bench.train_step --arms, --batch);
+#      STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as profile-compare.md and
+#      profile.tgz);
 #      K selects GPU tests (pytest -k).
 # `step` alone writes 6 files: env.txt, train_step.{json,log}, profile/{profile.md,trace.json.gz,
 # hlo.txt.gz}; it needs nanoGPT's model.py carried in third_party/nanoGPT (`make nanogpt`).
@@ -44,9 +46,14 @@ if [[ " $parts " == *" step "* ]]; then
   timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch "${STEP_BATCH:-32,16}" \
     --arms "${STEP_ARMS:-fa2,fa2-stable,cudnn,fa2-stable[model.recompute_gelu=true],fa2-stable[model.logits_dtype=bfloat16],fa2-stable[model.head_grad_dtype=bfloat16],fa2-stable[model.head_grad_dtype=bfloat16;model.recompute_gelu=true],fa2-stable[model.layernorm=pallas],fa2-stable[model.logits_dtype=bfloat16;model.layernorm=pallas]}" \
     --primary fa2-stable --nanogpt third_party/nanoGPT \
-    --profile "$OUT/profile" --budget "${STEP_BUDGET:-520}" \
+    --profile "$OUT/profile" ${STEP_PROFILE_ARMS:+--profile-arms "$STEP_PROFILE_ARMS"} \
+    --budget "${STEP_BUDGET:-520}" \
     --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "train step: exit $r"; tail -14 "$OUT/train_step.log"
+  if [ -f "$OUT/profile/compare.md" ]; then  # several arms profiled: one table and one archive back
+    cp "$OUT/profile/compare.md" "$OUT/profile-compare.md"; cat "$OUT/profile-compare.md"
+    tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
+  fi
 fi
 if [[ " $parts " == *" dropin "* ]]; then
   # jax_flash.dot_product_attention beside cuDNN and XLA (GQA, a window, its causal baseline),

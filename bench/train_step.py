@@ -30,7 +30,9 @@ dense bf16 peak (``train.gpt2.PEAK_BF16_FLOPS``: 989 TFLOP/s for an H200). Peak 
 back, after its timing) and writes DIR/profile.md (kernel time per op family, ``lab.trace_split``),
 DIR/trace.json.gz (the perfetto trace) and DIR/hlo.txt.gz (the step's optimized HLO, which the
 grouping reads); ``python -m lab.trace_split --families DIR/trace.json.gz --hlo DIR/hlo.txt.gz``
-groups them again without a GPU.
+groups them again without a GPU. ``--profile-arms A,B,…`` profiles those arms instead, each into
+DIR/<arm as a file name>/, and writes DIR/compare.md: the families of every profiled arm side by
+side, so that what an option moves is read in one table.
 """
 
 from __future__ import annotations
@@ -358,7 +360,8 @@ def run_all(args) -> dict:
             else:  # one GPU
                 cfg = config_lib.apply_overrides(base, [f"data.batch_size={batch}"])
                 run.update(nanogpt=args.nanogpt, grad_accum=grad_accum_steps(cfg, 1))
-            profile = bool(args.profile) and kind == "jax" and arm == args.primary and batch == args.batch[0]
+            profile = (bool(args.profile) and kind == "jax" and arm in args.profile_arms
+                       and batch == args.batch[0])
             result["runs"].append(run)
             elapsed = _clock() - t_begin
             # the profiled run takes longer than the others: a guess for them only without another
@@ -380,7 +383,7 @@ def run_all(args) -> dict:
             if kind == "jax":
                 spec["config"] = config_lib.to_dict(cfg)
                 if profile:
-                    spec.update(profile=args.profile, profile_steps=args.profile_steps)
+                    spec.update(profile=profile_dir(args, arm), profile_steps=args.profile_steps)
                 cmd = [sys.executable, "-m", "bench.train_step", "--worker", str(work / f"spec-{i}.json")]
             else:
                 o, mc = cfg.optim, cfg.model
@@ -413,7 +416,14 @@ def run_all(args) -> dict:
                 if kind == "torch" and run.get("n_params_non_embedding") != result["n_params_non_embedding"]:
                     run["warning"] = "nanoGPT's parameter count differs from ours"
                 if run.get("profile"):
-                    result["profile"] = {"arm": arm, "batch": batch, **run.pop("profile")}
+                    prof = {"arm": arm, "batch": batch, **run.pop("profile")}
+                    result.setdefault("profiles", []).append(prof)
+                    if arm == args.primary:
+                        result["profile"] = prof
+                    if len(args.profile_arms) > 1:
+                        Path(args.profile).mkdir(parents=True, exist_ok=True)
+                        (Path(args.profile) / "compare.md").write_text(
+                            compare_profiles(result["profiles"], result.get("device")))
                 print(_line(run), flush=True)
             else:
                 run.update(status="timeout" if rc is None else "failed", exit_status=rc,
@@ -442,6 +452,43 @@ def _line(r: dict) -> str:
     return (f"[{r['arm']} b{r['batch']}] {r['tokens_per_s']:,.0f} tokens/s  {s['median']:.2f} ms/step "
             f"(q1 {s['q1']:.2f}, q3 {s['q3']:.2f}, range {s['min']:.2f}–{s['max']:.2f})  back to back "
             f"{r['back_to_back_ms']:.2f} ms  {mfu}  peak {mem}  compile {r.get('compile_s') or 0:.0f} s")
+
+
+def profile_dir(args, arm: str) -> str:
+    """Where an arm's profile goes: DIR itself when only one arm is profiled, else DIR/<arm> with
+    the characters a file name should not hold replaced."""
+    if len(args.profile_arms) == 1:
+        return args.profile
+    safe = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in arm)
+    return str(Path(args.profile) / safe)
+
+
+def compare_profiles(profiles: list[dict], device: str | None = None) -> str:
+    """Kernel time per op family (ms per step) of several profiled arms side by side, with each
+    arm's difference from the first."""
+    from lab.trace_split import FAMILIES
+
+    ok = [p for p in profiles if "families_ms" in p]
+    if not ok:
+        return "no profile completed\n"
+    base = ok[0]
+    head = " | ".join(f"`{p['arm']}`" + ("" if p is base else " (Δ)") for p in ok)
+    lines = [f"Kernel time per op family, ms per step, micro-batch {base['batch']}"
+             f"{', ' + device if device else ''} (`python -m bench.train_step … --profile-arms`; "
+             f"Δ: against `{base['arm']}`)", "", f"| family | {head} |", "|---|" + "---|" * len(ok)]
+
+    def cell(p, ms, ref):
+        return f"{ms:.2f}" if p is base else f"{ms:.2f} ({ms - ref:+.2f})"
+
+    for key, label in FAMILIES.items():
+        ref = base["families_ms"][key]
+        lines.append(f"| {label} | " + " | ".join(cell(p, p["families_ms"][key], ref) for p in ok) + " |")
+    lines.append("| **all kernels** | " + " | ".join(cell(p, p["total_ms"], base["total_ms"])
+                                                   for p in ok) + " |")
+    failed = [p["arm"] for p in profiles if "families_ms" not in p]
+    if failed:
+        lines += ["", "Not profiled (error): " + ", ".join(f"`{a}`" for a in failed)]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict | list) -> str:
@@ -491,6 +538,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default=None, metavar="DIR", help="profile the primary arm into DIR")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--profile-arms", default=None, metavar="A,B,…",
+                    help="profile these arms (at the first micro-batch) instead of the primary only; "
+                         "DIR/compare.md sets their families side by side")
     ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                     help="skip runs that would not finish within this many seconds of the start")
     ap.add_argument("--worker-timeout", type=float, default=600.0, metavar="SECONDS")
@@ -516,6 +566,11 @@ def main(argv=None):
         args.primary = "fa2-stable" if "fa2-stable" in args.arms else args.arms[0]
     if args.primary not in args.arms:
         ap.error(f"--primary {args.primary} is not among --arms")
+    args.profile_arms = ([a for a in args.profile_arms.split(",") if a] if args.profile_arms
+                         else [args.primary])
+    missing = [a for a in args.profile_arms if a not in args.arms]
+    if missing:
+        ap.error(f"--profile-arms {','.join(missing)} not among --arms")
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (the first step compiles nanoGPT's model)")
     try:

@@ -127,6 +127,17 @@ class FakeRuns:
 
     def __init__(self, ms, seconds, fail=()):
         self.ms, self.seconds, self.fail, self.now, self.calls = ms, seconds, fail, 0.0, []
+        self.profile_dirs = []
+
+    def profile(self, spec):
+        """A profile whose families scale with the arm's step time (matmuls half of it)."""
+        from lab.trace_split import FAMILIES
+
+        self.profile_dirs.append(spec["profile"])
+        ms = self.ms[(spec["arm"], spec["config"]["data"]["batch_size"])]
+        fam = {k: 0.0 for k in FAMILIES}
+        fam.update(matmul=ms / 2, elementwise=ms / 2)
+        return {"total_ms": ms, "families_ms": fam, "steps": 3}
 
     def clock(self):
         return self.now
@@ -147,7 +158,7 @@ class FakeRuns:
             "tokens_per_step": batch * 1024, "grad_accum": 1, "n_devices": 1, "peak_memory_bytes": 3 << 30,
             "n_params_non_embedding": 123_587_328, "device": "NVIDIA H200",
             "platform": "cuda" if kind == "torch" else "gpu",
-            **({"profile": {"total_ms": 1.0}} if spec.get("profile") else {}),
+            **({"profile": self.profile(spec)} if spec.get("profile") else {}),
             "versions": {"torch": "2.11"} if kind == "torch" else {"jax": "0.11.2"}}))
         return 0, self.seconds["profile" if spec.get("profile") else kind]
 
@@ -214,6 +225,29 @@ def test_budget_skips_what_would_not_fit(tmp_path, monkeypatch):
     assert [s for *_, s in status] == ["ok", "ok", "ok", "skipped", "ok", "skipped", "skipped", "skipped"]
     assert "budget" in res["runs"][3]["error"]
     assert res["profile"]["arm"] == "fa2-stable" and res["profile"]["batch"] == 32
+
+
+def test_profile_arms_side_by_side(tmp_path, monkeypatch):
+    """--profile-arms: each named arm profiled at the first micro-batch into a folder of its own,
+    the primary's kept as the file's profile, and compare.md sets the families side by side with
+    each arm's difference from the first profiled."""
+    arms = ["fa2-stable", "fa2-stable[model.logits_dtype=bfloat16]", "fa2"]
+    fake = FakeRuns({(a, b): m for a, m in zip(arms, (80.0, 70.0, 79.0)) for b in (4, 2)},
+                    {"jax": 1.0, "profile": 2.0})
+    monkeypatch.setattr(ts, "_launch", fake.launch)
+    prof = tmp_path / "prof"
+    res = ts.main(["--arms", ",".join(arms), "--batch", "4,2", "--profile", str(prof),
+                   "--profile-arms", ",".join(arms[:2]), "--out", str(tmp_path / "r.json")])
+    assert fake.profile_dirs == [str(prof / "fa2-stable"),
+                                 str(prof / "fa2-stable_model.logits_dtype=bfloat16_")]
+    assert [p["arm"] for p in res["profiles"]] == arms[:2] and res["profile"]["arm"] == "fa2-stable"
+    table = (prof / "compare.md").read_text()
+    assert "| `fa2-stable` | `fa2-stable[model.logits_dtype=bfloat16]` (Δ) |" in table
+    assert "| matmuls | 40.00 | 35.00 (-5.00) |" in table
+    assert "| **all kernels** | 80.00 | 70.00 (-10.00) |" in table
+    with pytest.raises(SystemExit):
+        ts.main(["--arms", "fa2", "--profile", str(prof), "--profile-arms", "cudnn",
+                 "--out", str(tmp_path / "x.json")])
 
 
 def test_missing_nanogpt_is_recorded_not_fatal(tmp_path, monkeypatch):
