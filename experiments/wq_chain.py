@@ -42,15 +42,6 @@ DEFAULT_OUT = os.path.join("experiments", "results", "wq_chain")
 # arms of experiments/arms.py
 ARMS = ("fa2", "fa2-stable", "fa2-dpp", "paper", "paper-stable", "paper-fp32acc",
         "paper-fp32acc-stable")
-ARMS = (
-    ("fa2", "fa2", False, "o"),
-    ("fa2 + stable", "fa2", True, "o"),
-    ("fa2 + δ=dpp", "fa2", False, "dpp"),
-    ("paper", "paper", False, "o"),
-    ("paper + stable", "paper", True, "o"),
-    ("paper_fp32acc", "paper_fp32acc", False, "o"),
-    ("paper_fp32acc + stable", "paper_fp32acc", True, "o"),
-)
 TOPS = ((6.0, 10.0), (20.0, 30.0))
 GAPS = (13.0, 6.0)
 # dO along V's sign (the bias map's; it makes a biased O show in δ) in every (gap, r_m) cell, then a
