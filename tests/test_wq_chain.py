@@ -95,3 +95,13 @@ def test_run_separates_delta_fixes_from_the_baseline(rng, monkeypatch):
     assert abs(dpp["delta_tie_mean"]) < 1e-2 * abs(base["delta_tie_mean"])
     md = wc.markdown(res)
     assert md.count("\n") == 4 and "nan" not in md
+
+
+def test_every_arm_is_a_registry_arm():
+    """The experiment's arms are names of experiments/arms.py, each with a numerics config (a table
+    of another form once shadowed them, and the command failed on its first cell)."""
+    from experiments import arms
+
+    assert wc.ARMS and all(a in arms.ARMS for a in wc.ARMS)
+    for a in wc.ARMS:
+        assert wc.arm_config(a, kv_len=128).policy.name.startswith(a.split("-")[0])
