@@ -95,9 +95,10 @@ _EXP2 = contextvars.ContextVar("jax_flash_exp2", default="xla")
 
 @contextlib.contextmanager
 def exp2_backend(backend: str):
-    """How the kernel body being traced computes ``Policy.exp_ftz``'s exp2: "triton" (PTX
-    ``ex2.approx.ftz.f32`` inline), "mosaic" (the Mosaic GPU kernels' approximate exp2, which is
-    that instruction already) or "xla" (exp2, then results below 2⁻¹²⁶ set to zero)."""
+    """How the kernel body being traced computes exp2 in log2 units: "triton" (with
+    ``Policy.exp_ftz`` PTX ``ex2.approx.ftz.f32`` inline, else the compiler's exp2), "mosaic" (the
+    Mosaic GPU kernels' approximate exp2, which is that instruction already) or "xla" (``exp2``
+    below, within 1.1 ulp of 2^x; with ``exp_ftz`` results below 2⁻¹²⁶ set to zero)."""
     token = _EXP2.set(backend)
     try:
         yield
@@ -105,12 +106,32 @@ def exp2_backend(backend: str):
         _EXP2.reset(token)
 
 
+def _pow2i(n):
+    """2**n, exactly, for int32 ``n`` in [-126, 127]: the exponent field set directly."""
+    return lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
+def exp2(x):
+    """2^x in FP32 within 1.1 ulp of the exact value: 2^round(x), exact, times exp of the
+    fraction, whose argument |f·ln 2| ≤ 0.35 rounds with a tiny absolute error. ``jnp.exp2``
+    (exp(x·ln 2)) is off by up to 17 ulp for |x| near 30, as x·ln 2 carries x's own ulp; the GPU's
+    ``ex2.approx`` approximates 2^x itself, so this one stands closer to the kernels."""
+    x = jnp.asarray(x, jnp.float32)
+    n = jnp.round(x)
+    r = jnp.exp((x - n) * np.float32(math.log(2.0)))  # x - n exact: r in [0.70, 1.42]
+    ni = jnp.clip(n, -252.0, 128.0).astype(jnp.int32)
+    hi = jnp.clip(ni, -126, 127)
+    y = (r * _pow2i(hi)) * _pow2i(ni - hi)  # a second factor (2 or ≤ 1) past the normal range
+    y = jnp.where(n > 128.0, jnp.inf, jnp.where(n < -252.0, 0.0, y))
+    return jnp.where(jnp.isnan(x), x, y)
+
+
 def _exp(x, pol):
     if not pol.log2_units:
         return jnp.exp(x)
-    if not pol.exp_ftz:
-        return jnp.exp2(x)
     backend = _EXP2.get()
+    if not pol.exp_ftz:
+        return exp2(x) if backend == "xla" else jnp.exp2(x)
     if backend == "triton":
         from jax.experimental.pallas import triton as pltriton
 
@@ -119,7 +140,7 @@ def _exp(x, pol):
             result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
     if backend == "mosaic":
         return jnp.exp2(x)
-    return jnp.where(x < -126.0, 0.0, jnp.exp2(x))  # 2^x is subnormal exactly below −126
+    return jnp.where(x < -126.0, 0.0, exp2(x))  # 2^x is subnormal exactly below −126
 
 
 def _log(x: float, pol) -> float:

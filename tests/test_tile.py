@@ -290,18 +290,40 @@ def test_transposed_tile_mask_is_the_transpose(causal):
 
 def test_exp2_flush_to_zero_of_fa2():
     """``Policy.exp_ftz`` ("fa2"): outside compiled kernels exp2 results below 2⁻¹²⁶ (the FP32
-    subnormals) are 0, as the GPU's ex2.approx.ftz gives them; above, XLA's exp2 unchanged. Policies
-    without it keep the subnormals."""
+    subnormals) are 0, as the GPU's ex2.approx.ftz gives them; above, ``tile.exp2`` unchanged.
+    Policies without it keep the subnormals."""
     x = jnp.asarray([-149.5, -130.0, -126.5, -126.0, -125.9, -1.0, 0.0, 3.0, -jnp.inf], jnp.float32)
     fa2, fp32 = jf.make_policy("fa2", BF16), jf.make_policy("fp32", BF16)
     assert fa2.exp_ftz and not fp32.exp_ftz
-    plain = np.asarray(jnp.exp2(x))
+    plain = np.asarray(jax.jit(tile.exp2)(x))
     with tile.exp2_backend("xla"):
         got = np.asarray(jax.jit(lambda x: tile._exp(x, fa2))(x))
     want = np.where(np.asarray(x) < -126, 0.0, plain)
     np.testing.assert_array_equal(got, want)
     assert np.all(got[:3] == 0) and np.all(got[4:8] > 0)  # (XLA:CPU's own exp2 flushes as well)
     assert np.asarray(tile._exp(x, fp32))[0] == np.exp(np.float32(-149.5))  # natural units: exp
+
+
+def test_exp2_within_its_bound_of_the_exact_power():
+    """``tile.exp2`` = 2^round(x) (exact) × exp(f·ln 2), |f| ≤ 1/2. Its error: exp's own (1 ulp
+    allowed), plus the rounding of f·ln 2 (≤ 2⁻²⁶ absolute, |f·ln 2| ≤ 0.35, so ≤ 1/4 ulp of a result
+    in [0.70, 1.42]) and of the constant ln 2 (≤ 2⁻²⁵·|f|·ln 2 relative, under 1/10 ulp): 1.35 ulp in
+    all, where exp(x·ln 2) carries x's own rounding into the result (many ulps at |x| ≈ 30). Checked
+    against float64 on a fixed grid over the softmax's range, the normal range's ends and overflow."""
+    x = np.concatenate([np.linspace(-40.0, 2.0, 400_001), np.linspace(-126.0, -120.0, 20_001),
+                        np.linspace(120.0, 128.5, 20_001)]).astype(np.float32)
+    exact = np.exp2(x.astype(np.float64))
+    got = np.asarray(jax.jit(tile.exp2)(x), np.float64)
+    finite = exact < np.finfo(np.float32).max
+    ulp = np.spacing(exact[finite].astype(np.float32)).astype(np.float64)
+    err = np.abs(got[finite] - exact[finite]) / ulp
+    assert err.max() <= 1.35, err.max()
+    assert np.all(np.isinf(got[~finite]))
+    plain = np.asarray(jax.jit(jnp.exp2)(x), np.float64)[finite]
+    assert err.max() < (np.abs(plain - exact[finite]) / ulp).max()  # what it is for
+    special = jnp.asarray([-jnp.inf, jnp.inf, jnp.nan, 0.0, 1.0, -1.0, 127.0, -126.0, -300.0])
+    np.testing.assert_array_equal(np.asarray(jax.jit(tile.exp2)(special)),
+                                  [0.0, np.inf, np.nan, 1.0, 2.0, 0.5, 2.0**127, 2.0**-126, 0.0])
 
 
 @pytest.mark.parametrize("stable", [False, True])
