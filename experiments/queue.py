@@ -130,14 +130,16 @@ def seq_command(q: Queue, lane: list[dict]) -> str:
     return f"bash experiments/gpu/setting_seq.sh {q.setting} {lane[0]['limit_s']} {specs}"
 
 
-def command(q: Queue, lanes: list[list[dict]], seconds: float = 590.0) -> str:
-    """The device command: OUT=$OUT and one setting_seq.sh call, or lanes.sh around one per GPU."""
+def command(q: Queue, lanes: list[list[dict]], total: float = 600.0) -> str:
+    """The device command: OUT=$OUT and one setting_seq.sh call, or lanes.sh around one per GPU
+    with ``total`` seconds in all (lanes.sh ends its lanes' executions 30 s before that and kills
+    them 20 s before, so that its archive is always written: give it the call's whole limit)."""
     if not lanes:
         return ""
     if len(lanes) == 1:
         return "OUT=$OUT " + seq_command(q, lanes[0])
     inner = " ".join(f'"{seq_command(q, lane)}"' for lane in lanes)
-    return f"OUT=$OUT bash experiments/gpu/lanes.sh {int(seconds)} {inner}"
+    return f"OUT=$OUT bash experiments/gpu/lanes.sh {int(total)} {inner}"
 
 
 def collect(q: Queue, src: Path, root: Path | None = None) -> list[str]:
@@ -206,7 +208,9 @@ def main(argv=None):
     n = sub.add_parser("next")
     n.add_argument("name")
     n.add_argument("--gpus", type=int, default=1)
-    n.add_argument("--seconds", type=float, default=590.0, help="a call's time for its executions")
+    n.add_argument("--seconds", type=float, default=590.0,
+                   help="the sum of a GPU's execution limits in one call")
+    n.add_argument("--total", type=float, default=600.0, help="the call's limit (lanes.sh's total)")
     c = sub.add_parser("collect")
     c.add_argument("name")
     c.add_argument("dir", help="the folder a device call's files came back in")
@@ -227,7 +231,7 @@ def main(argv=None):
             print(f"# every execution of {q.design} is made")
             return
         print("# " + "; ".join(", ".join(r["run"] for r in lane) for lane in lanes))
-        print(command(q, lanes, args.seconds))
+        print(command(q, lanes, args.total))
     else:
         for name in collect(q, Path(args.dir)):
             print(f"{q.root}/{name}")

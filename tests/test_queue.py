@@ -55,8 +55,8 @@ def test_next_call_packs_the_design_order_into_the_time(tmp_path):
     four = Q.plan_call(rows, gpus=4, seconds=590)
     assert [[r["run"] for r in lane] for lane in four] == [
         ["paper-s0", "paper-s1"], ["paper-s2"], ["standard-s0"], ["standard-s1"]]
-    cmd = Q.command(q, four, 590)
-    assert cmd.startswith("OUT=$OUT bash experiments/gpu/lanes.sh 590 ")
+    cmd = Q.command(q, four)
+    assert cmd.startswith("OUT=$OUT bash experiments/gpu/lanes.sh 600 ")
     assert cmd.count("setting_seq.sh l6") == 4 and '"bash experiments/gpu/setting_seq.sh l6 400 standard:1:3000"' in cmd
     assert len(Q.command(Q.get("confirm"), Q.plan_call(Q.status(Q.get("confirm"), tmp_path), 8))) < 2000
     # the order holds: nothing after an execution that does not fit
