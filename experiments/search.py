@@ -139,28 +139,28 @@ def count(rows, seeds, *, arm="fa2", loss_need=6, runaway_need=7, futility_after
     probe below STANDARD_CEILING, judged without the ``standard`` arm). Keys name the arm."""
     seeds = [str(x) for x in seeds]
     by = {(r["arm"], r["seed"]): r for r in rows}
-    fa2 = [by[(arm, x)] for x in seeds if (arm, x) in by]
+    mine = [by[(arm, x)] for x in seeds if (arm, x) in by]
     std = [by[("standard", x)] for x in seeds if ("standard", x) in by]
-    loss = sum(r["loss_failure"] is not None for r in fa2)
-    runaway = sum(bool(r["runaway"]) for r in fa2)
-    judged = sum(r["ratio_to_standard"] is not None for r in fa2)
-    flat = sum(r["loss_failure"] is None and (r["max_probe"] or 0.0) < STANDARD_CEILING for r in fa2)
+    loss = sum(r["loss_failure"] is not None for r in mine)
+    runaway = sum(bool(r["runaway"]) for r in mine)
+    judged = sum(r["ratio_to_standard"] is not None for r in mine)
+    flat = sum(r["loss_failure"] is None and (r["max_probe"] or 0.0) < STANDARD_CEILING for r in mine)
     std_failed = [r["run"] for r in std if r["loss_failure"] is not None
                   or (r["last_probe"] is not None and r["last_probe"][1] >= STANDARD_CEILING)]
     n = len(seeds)
     if std_failed:
         decision = "the standard arm failed: no reproducer"
-    elif len(fa2) == n and len(std) == n and loss >= loss_need:
+    elif len(mine) == n and len(std) == n and loss >= loss_need:
         decision = "loss-failure reproducer"
-    elif len(fa2) == n and len(std) == n and runaway >= runaway_need:
+    elif len(mine) == n and len(std) == n and runaway >= runaway_need:
         decision = "runaway reproducer"
     elif flat >= futility_after:
         decision = "futility stop"
-    elif len(fa2) == n and len(std) == n:
+    elif len(mine) == n and len(std) == n:
         decision = "neither"
     else:
         decision = "undecided"
-    return {"seeds": n, f"{arm}_made": len(fa2), "standard_made": len(std),
+    return {"seeds": n, f"{arm}_made": len(mine), "standard_made": len(std),
             f"{arm}_loss_failures": loss, f"{arm}_runaways": runaway, f"{arm}_judged": judged,
             f"{arm}_flat": flat, "standard_failed": std_failed, "decision": decision}
 

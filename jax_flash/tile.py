@@ -98,7 +98,7 @@ def exp2_backend(backend: str):
     """How the kernel body being traced computes exp2 in log2 units: "triton" (with
     ``Policy.exp_ftz`` PTX ``ex2.approx.ftz.f32`` inline, else the compiler's exp2), "mosaic" (the
     Mosaic GPU kernels' approximate exp2, which is that instruction already) or "xla" (``exp2``
-    below, within 1.1 ulp of 2^x; with ``exp_ftz`` results below 2⁻¹²⁶ set to zero)."""
+    below, within 1.35 ulp of 2^x; with ``exp_ftz`` results below 2⁻¹²⁶ set to zero)."""
     token = _EXP2.set(backend)
     try:
         yield
@@ -112,7 +112,7 @@ def _pow2i(n):
 
 
 def exp2(x):
-    """2^x in FP32 within 1.1 ulp of the exact value: 2^round(x), exact, times exp of the
+    """2^x in FP32 within 1.35 ulp of the exact value: 2^round(x), exact, times exp of the
     fraction, whose argument |f·ln 2| ≤ 0.35 rounds with a tiny absolute error. ``jnp.exp2``
     (exp(x·ln 2)) is off by up to 17 ulp for |x| near 30, as x·ln 2 carries x's own ulp; the GPU's
     ``ex2.approx`` approximates 2^x itself, so this one stands closer to the kernels."""
