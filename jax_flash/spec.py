@@ -116,6 +116,10 @@ class Launch:
     dq_block: int | None = None  # queries a dQ program keeps resident
     prefetch_rows: bool = False  # dK/dV kernel: the next query block's L and δ a loop step ahead
     prefetch_scores: bool = False  # forward: the next key tile's scores before this tile's softmax
+    # depth of the Mosaic kernels' shared-memory rings (forward: K/V tiles; backward: the streamed
+    # Q/dO and K/V tiles); None: the kernels' per-shape defaults. Only how far loads run ahead.
+    mosaic_fwd_stages: int | None = None
+    mosaic_bwd_stages: int | None = None
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -127,6 +131,11 @@ class Launch:
             if val is not None and (len(val) != 2 or not all(isinstance(x, int) and x > 0
                                                              for x in val)):
                 raise ValueError(f"{name} must be (num_warps, num_stages), got {val!r}")
+        for name in ("mosaic_fwd_stages", "mosaic_bwd_stages"):
+            val = getattr(self, name)
+            if val is not None and (not isinstance(val, int) or isinstance(val, bool)
+                                    or not 1 <= val <= 8):
+                raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
         for name in ("bwd_block", "dq_block"):
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):

@@ -152,8 +152,8 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     seen = []
 
     def fake(fill):
-        def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype))
+        def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
@@ -162,13 +162,13 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     monkeypatch.setattr(bm, "dq_mosaic", fake((3.0,)))
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
-    launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv")
+    launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    for args, got_cfg, out_dtype in seen:
+    for args, got_cfg, out_dtype, stages in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
-        assert got_cfg == cfg and out_dtype == BF16
+        assert got_cfg == cfg and out_dtype == BF16 and stages == 2
     assert np.all(np.asarray(dk, np.float32) == 1) and np.all(np.asarray(dv, np.float32) == 2)
     if with_dq:
         assert np.all(np.asarray(dq, np.float32) == 3)
@@ -199,18 +199,18 @@ def _inputs(rng, shape, cfg, tied=False):
     return q, k, v, do, o, lse, dlt
 
 
-def _interpreted(q, k, v, do, lse, dlt, cfg):
+def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     # each kernel compiled once per test (the race detector runs inside it too)
     dk, dv = jitted(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                    interpret=interpret_params())
+                    interpret=interpret_params(), stages=stages)
     jax.block_until_ready((dk, dv))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     dq = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                interpret=interpret_params())
+                interpret=interpret_params(), stages=stages)
     jax.block_until_ready((dq))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return dq, dk, dv
@@ -240,6 +240,30 @@ def test_interpreted_kernels_match_triton_and_jnp(rng, assert_close, shape, caus
         assert_close(ours[i], triton[i], 2 * bounds[i], f"{name} vs Triton")
         assert_close(ours[i], jnp_g[i], 2 * bounds[i], f"{name} vs jnp")
         assert_close(ours[i], exact[i], bounds[i], f"{name} vs float64")
+
+
+@needs_interpreter
+def test_interpreted_ring_depth_changes_no_bit(rng):
+    """``Launch.mosaic_bwd_stages`` only decides how far the streamed loads run ahead: dQ, dK, dV
+    with a ring of 1 (each load waits for its slot to be read) equal the default ring's (4 at
+    head_dim 64) bit for bit, races checked."""
+    shape = (1, 256, 1, 64)
+    cfg = make_cfg(shape[1], shape[-1], causal=True)
+    q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg)
+    base = _interpreted(q, k, v, do, lse, dlt, cfg)
+    chex.assert_trees_all_equal(_interpreted(q, k, v, do, lse, dlt, cfg, stages=1), base)
+
+
+def test_ring_that_cannot_fit_raises():
+    """A ring deeper than shared memory holds raises before any lowering, naming the largest that
+    fits (dK/dV at head_dim 128: 33 KiB a stage beside 64 KiB of K and V)."""
+    x = jnp.zeros((1, 1024, 1, 128), BF16)
+    rows = jnp.zeros((1, 1, 1024), jnp.float32)
+    cfg = make_cfg(1024, 128)
+    with pytest.raises(ValueError, match=r"dK/dV kernel: 6 stages need .* at most 5 fit"):
+        bm.dkdv_mosaic(x, x, x, x, rows, rows, cfg, out_dtype=BF16, stages=6)
+    with pytest.raises(ValueError, match=r"dQ kernel: 6 stages need .* at most 5 fit"):
+        bm.dq_mosaic(x, x, x, x, rows, rows, cfg, out_dtype=BF16, stages=6)
 
 
 @needs_interpreter

@@ -154,15 +154,15 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     x = jnp.ones((1, 128, 1, 64), BF16)
     seen = []
 
-    def fake(q, k, v, cfg, *, o_dtype, interpret=None):
-        seen.append((q, k, v, cfg, o_dtype))
+    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None):
+        seen.append((q, k, v, cfg, o_dtype, stages))
         return jnp.full(q.shape, 3.0, o_dtype), jnp.zeros((1, 1, 128), jnp.float32)
 
     monkeypatch.setattr(fm, "forward_mosaic", fake)
     pf.forward(x, x, x, cfg, jf.Launch(), o_dtype=BF16)
     assert not seen
-    o, _ = pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic"), o_dtype=BF16)
-    assert len(seen) == 1 and all(a is x for a in seen[0][:3]) and seen[0][3:] == (cfg, BF16)
+    o, _ = pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_stages=3), o_dtype=BF16)
+    assert len(seen) == 1 and all(a is x for a in seen[0][:3]) and seen[0][3:] == (cfg, BF16, 3)
     assert np.all(f64(o) == 3)
 
 
@@ -172,12 +172,13 @@ needs_interpreter = pytest.mark.skipif(
     reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
 
 
-def _interpreted(q, k, v, cfg):
+def _interpreted(q, k, v, cfg, stages=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     # compiled once per test (the race detector runs inside it too)
-    o, lse = jitted(fm.forward_mosaic, q, k, v, cfg=cfg, o_dtype=q.dtype, interpret=interpret_params())
+    o, lse = jitted(fm.forward_mosaic, q, k, v, cfg=cfg, o_dtype=q.dtype, interpret=interpret_params(),
+                    stages=stages)
     jax.block_until_ready((o, lse))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return o, lse
@@ -310,3 +311,25 @@ def test_interpreted_padded_length(rng, assert_close, causal):
     q, k, v = q[:, :n], k[:, :n], v[:, :n]
     bound, _ = o_bound(q, k, v, cfg)
     assert_close(o[:, :n], jf.reference_numpy(q, k, v, causal=causal), bound, "O vs float64")
+
+
+@needs_interpreter
+def test_interpreted_ring_depth_changes_no_bit(rng):
+    """``Launch.mosaic_fwd_stages`` only decides how far the K/V loads run ahead: O and L with a
+    ring of 2 equal the default ring's (4 at 64-key tiles) bit for bit, races checked."""
+    shape = (1, 384, 1, 64)
+    q, k, v = tied_inputs(rng, shape, pairs=((3, 5), (130, 140)))
+    cfg = make_cfg(shape[1], shape[-1], causal=True, stable=True, block_k=64)
+    base = _interpreted(q, k, v, cfg)
+    chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, stages=2), base)
+
+
+def test_ring_that_cannot_fit_or_run_raises():
+    """A ring deeper than shared memory holds, or the forward's below 2, raises before any
+    lowering, naming the largest that fits."""
+    x = jnp.zeros((1, 1024, 1, 128), BF16)
+    cfg = make_cfg(1024, 128, block_k=128)
+    with pytest.raises(ValueError, match=r"more than 227 KiB; at most 3 fit"):
+        fm.forward_mosaic(x, x, x, cfg, o_dtype=BF16, stages=4)
+    with pytest.raises(ValueError, match="needs ≥ 2 stages"):
+        fm.forward_mosaic(x, x, x, cfg, o_dtype=BF16, stages=1)

@@ -212,7 +212,8 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
                                     backward=True, itemsize=itemsize)
     mosaic = launch.bwd_kernel in ("mosaic", "mosaic_dkdv")  # the plan checked that they cover it
     if mosaic:
-        dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
+        dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
+                                             stages=launch.mosaic_bwd_stages)
     else:
         dk, dv = pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=dkdv_cfg, launch=launch, nq=nq),
@@ -228,7 +229,8 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
             name=_name("dkdv", cfg),
         )(q, k, v, do, lse, dlt, *lens)
     if launch.bwd_kernel == "mosaic":
-        dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype)
+        dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
+                                       stages=launch.mosaic_bwd_stages)
     else:
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, cfg=dq_cfg, launch=launch, nk=tk // cfg.block_k),

@@ -266,16 +266,19 @@ def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
         raise ValueError(f"the Mosaic GPU {kernel} kernel does not cover this call: {reason}")
 
 
-def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None):
+def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
     query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
-    ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11; tests only)."""
+    ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11; tests only). ``stages``: the depth
+    of the Q/dO ring (``Launch.mosaic_bwd_stages``; None: ``STAGES``), which changes no value."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     nq = t // Q_TILE
-    stages = min(STAGES[d], nq)
+    isz = q.dtype.itemsize
+    stages = mosaic_common.ring_stages(stages, STAGES[d], nq, 2 * Q_TILE * (d * isz + 4),
+                                       2 * COMPUTE_WGS * KEYS_PER_WG * d * isz, "dK/dV")
     layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = (
         plgpu.SMEM((stages, Q_TILE, d), q.dtype, transforms=layout),  # Q ring
@@ -432,15 +435,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
 
 
-def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None):
+def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
     128 query rows per program (two compute warpgroups of 64), key tiles of 64 streamed by TMA, in
-    increasing order up to the causal diagonal. Arguments as ``dkdv_mosaic``."""
+    increasing order up to the causal diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the
+    K/V ring)."""
     _require_covered("dQ", cfg, q, k, v, do, out_dtype)
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     nk = t // DQ_KEY_TILE
-    stages = min(STAGES[d], nk)
+    isz = q.dtype.itemsize
+    stages = mosaic_common.ring_stages(stages, STAGES[d], nk, 2 * DQ_KEY_TILE * d * isz,
+                                       COMPUTE_WGS * KEYS_PER_WG * (2 * d * isz + 8), "dQ")
     layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     rows = (COMPUTE_WGS, KEYS_PER_WG)
     scratch = (

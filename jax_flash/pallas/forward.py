@@ -110,7 +110,8 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None):
     """Returns O ``[B, Tq, H, D]`` in ``o_dtype`` and L ``[B, H, Tq]`` (FP32). K and V have
     ``H / cfg.groups`` heads; ``lengths``: (q_lens, kv_lens) int32 ``[B]`` when ``cfg.seq_lengths``."""
     if launch.fwd_kernel == "mosaic":  # the plan checked that it covers this call
-        return forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=o_dtype)
+        return forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=o_dtype,
+                                             stages=launch.mosaic_fwd_stages)
     bsz, tq, h, d = q.shape
     tk = k.shape[1]
     bq, bk, g = cfg.block_q, cfg.block_k, cfg.groups

@@ -190,10 +190,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
 
 
-def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None):
+def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
-    tests only)."""
+    tests only). ``stages``: the depth of the K/V ring (``Launch.mosaic_fwd_stages``, ≥ 2; None:
+    ``STAGES``), which changes no value."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
                                and q.dtype == k.dtype == v.dtype):
@@ -204,9 +205,12 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None):
     bsz, t, h, d = q.shape
     bk = cfg.block_k
     nk = t // bk
-    stages = min(STAGES[bk], nk)
-    if stages < 2:
+    if nk < 2:
         raise ValueError(f"the Mosaic GPU forward needs ≥ 2 key tiles, got {nk}")
+    isz = q.dtype.itemsize
+    stages = mosaic_common.ring_stages(stages, STAGES[bk], nk, 2 * bk * d * isz,
+                                       COMPUTE_WGS * ROWS_PER_WG * (d * isz + 4), "forward",
+                                       least=2)
     # 128-byte swizzle: one 64-element bf16 row of a tile per swizzle period, as wgmma reads it
     layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = (

@@ -36,6 +36,26 @@ def unavailable() -> str | None:
     return None
 
 
+# Shared memory a Hopper thread block may use (227 KiB of the SM's 228)
+SMEM_LIMIT = 227 * 1024
+
+
+def ring_stages(asked: int | None, default: int, steps: int, per_stage: int, fixed: int,
+                kernel: str, least: int = 1) -> int:
+    """The depth of a kernel's shared-memory ring: ``asked`` (a launch's) or ``default``, at most
+    ``steps`` (the tiles a program streams). ``per_stage``/``fixed``: its bytes per stage and
+    besides the ring; a ring that cannot fit raises, naming the largest that would."""
+    stages = min(asked or default, steps)
+    if stages < least:
+        raise ValueError(f"the Mosaic GPU {kernel} kernel needs ≥ {least} stages, got {stages}")
+    if fixed + stages * per_stage > SMEM_LIMIT:
+        most = (SMEM_LIMIT - fixed) // per_stage
+        raise ValueError(f"the Mosaic GPU {kernel} kernel: {stages} stages need "
+                         f"{(fixed + stages * per_stage) // 1024} KiB of shared memory, more than "
+                         f"{SMEM_LIMIT // 1024} KiB; at most {most} fit this shape")
+    return stages
+
+
 def exp2_backend(interpret) -> str:
     """``tile.exp2_backend`` of a Mosaic GPU kernel body: compiled with ``approx_math``, its exp2 is
     already ``ex2.approx.ftz.f32``; interpreted, XLA's."""
