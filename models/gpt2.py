@@ -113,6 +113,10 @@ class GPTConfig:
     # intermediates: the same elementwise operations on the same values, so every gradient is
     # bit-identical (tests/test_model.py, on the device the tests run on); less memory traffic
     recompute_gelu: bool = False
+    # the GELU keeps only its bf16 input for the backward, whose own pass recomputes the FP32
+    # intermediates and applies the cotangent (a custom VJP around autodiff's own operations, so
+    # bit-identical; no remat barrier between the recomputation and its use)
+    gelu_from_input: bool = False
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
     # kernel per pass (models/layernorm.py), its FP32 sums in another order: last bits differ
     layernorm: str = "xla"
@@ -136,8 +140,12 @@ class GPTConfig:
                 ok = False
             if not ok:
                 raise choice_error(name, getattr(self, name), DTYPES)
-        if not isinstance(self.recompute_gelu, bool):
-            raise ValueError(f"recompute_gelu must be true or false, got {self.recompute_gelu!r}")
+        for name in ("recompute_gelu", "gelu_from_input"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.recompute_gelu and self.gelu_from_input:
+            raise ValueError("recompute_gelu and gelu_from_input are two ways to the same values: "
+                             "set one")
         if self.layernorm not in LAYERNORMS:
             raise choice_error("layernorm", self.layernorm, LAYERNORMS)
         if not (isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std)
@@ -344,17 +352,34 @@ class MLP(nnx.Module):
             kernel_init=nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
             rngs=rngs,
         )
-        self.recompute = cfg.recompute_gelu
+        self.gelu = (jax.checkpoint(_gelu) if cfg.recompute_gelu
+                     else gelu_from_input if cfg.gelu_from_input else _gelu)
 
     def __call__(self, x):
-        h = self.fc(x)
-        h = (jax.checkpoint(_gelu) if self.recompute else _gelu)(h)
-        return self.proj(h)
+        return self.proj(self.gelu(self.fc(x)))
 
 
 def _gelu(h):
     """Exact GELU in FP32, returned in ``h``'s dtype."""
     return jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
+
+
+@jax.custom_vjp
+def gelu_from_input(h):
+    """``_gelu`` whose backward keeps only ``h``: it runs autodiff's own VJP of ``_gelu`` at ``h``,
+    so the gradient is the same operations on the same values as without it."""
+    return _gelu(h)
+
+
+def _gelu_fwd(h):
+    return _gelu(h), h
+
+
+def _gelu_bwd(h, g):
+    return jax.vjp(_gelu, h)[1](g)
+
+
+gelu_from_input.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 LAYERNORMS = ("xla", "pallas")

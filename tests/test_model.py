@@ -338,6 +338,35 @@ def test_head_grad_option_rounds_only_the_logits_gradient(rng):
     assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
 
 
+def test_gelu_from_input_changes_no_bit_and_saves_only_the_input():
+    """model.gelu_from_input: the loss and every gradient are bit-identical to autodiff's, and what
+    the forward keeps for each GELU's backward is its bf16 input alone (autodiff keeps three FP32
+    arrays of the MLP's width)."""
+    import dataclasses
+
+    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    idx = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 128
+    opt = dataclasses.replace(cfg, gelu_from_input=True)
+
+    def loss(m):
+        return gpt2.cross_entropy(m(idx[:, :-1]), idx[:, 1:])
+
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
+    want = value_and_grad(GPT(cfg, rngs=nnx.Rngs(0)))
+    got = value_and_grad(GPT(opt, rngs=nnx.Rngs(0)))
+    chex.assert_trees_all_equal(got, want)
+
+    h = jnp.linspace(-4.0, 4.0, 24, dtype=jnp.bfloat16).reshape(2, 12)
+    kept = jax.vjp(gpt2.gelu_from_input, h)[1]
+    leaves = [x for x in jax.tree_util.tree_leaves(kept) if hasattr(x, "dtype")]
+    assert [(x.shape, x.dtype) for x in leaves] == [(h.shape, jnp.bfloat16)]
+    auto = [x for x in jax.tree_util.tree_leaves(jax.vjp(gpt2._gelu, h)[1]) if hasattr(x, "shape")
+            and x.shape == h.shape]
+    assert len(auto) == 3 and all(x.dtype == jnp.float32 for x in auto)
+    with pytest.raises(ValueError, match="set one"):
+        dataclasses.replace(cfg, gelu_from_input=True, recompute_gelu=True)
+
+
 def test_recompute_gelu_changes_no_bit():
     """model.recompute_gelu: the backward recomputes each layer's GELU from its input (a remat per
     layer in the program) and the loss and every gradient are bit-identical. (Recomputing the
