@@ -162,7 +162,7 @@ def paper_l6():
           f" {p['made']} `paper` executions failed at the loss by step 3,000; layer 2's max logit"
           f" {min(p['max_probe']):,.0f}–{max(p['max_probe']):,.0f}; standard attention"
           f" {out['standard']['loss_failures']} of {out['standard']['made']},"
-          f" at most {max(out['standard']['max_probe'] or [float('nan')]):.0f}")
+          f" at most {max(out['standard']['max_probe'] or [float('nan')]):.1f}")
     return out
 
 
