@@ -349,3 +349,26 @@ def test_gpu_mosaic_gqa_and_windows_vs_reference_and_triton(kv_heads, window, ca
               f"triton-ref {err_t:.3e}, mosaic-triton {rel(m, tr):.2e}")
         assert np.all(np.isfinite(np.asarray(m, np.float32))) and err_m <= 1.5 * err_t + 1e-6, name
         assert rel(m, tr) < 1e-2, name
+
+
+@pytest.mark.parametrize("option", ["recompute_gelu", "gelu_from_input"])
+def test_gpu_gelu_recomputations_change_no_bit(option):
+    """The two bit-neutral GELU options of the model, compiled for the GPU (its fusions, its FMA
+    contraction): the loss and every gradient of a small GPT-2 at a training-like width equal
+    autodiff's bit for bit."""
+    import dataclasses
+
+    from flax import nnx
+
+    from models import gpt2
+
+    cfg = gpt2.GPTConfig(vocab_size=512, block_size=256, n_layer=2, n_head=6, n_embd=384)
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 512, (4, 257)), jnp.int32)
+
+    def loss(m):
+        return gpt2.cross_entropy(m(idx[:, :-1]), idx[:, 1:])
+
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
+    want = value_and_grad(gpt2.GPT(cfg, rngs=nnx.Rngs(0)))
+    got = value_and_grad(gpt2.GPT(dataclasses.replace(cfg, **{option: True}), rngs=nnx.Rngs(0)))
+    chex.assert_trees_all_equal(got, want)
