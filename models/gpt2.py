@@ -352,11 +352,14 @@ class MLP(nnx.Module):
             kernel_init=nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
             rngs=rngs,
         )
-        self.gelu = (jax.checkpoint(_gelu) if cfg.recompute_gelu
-                     else gelu_from_input if cfg.gelu_from_input else _gelu)
+        # plain flags on the module (its graph stays comparable across instances); the function
+        # is picked where it runs
+        self.recompute, self.from_input = cfg.recompute_gelu, cfg.gelu_from_input
 
     def __call__(self, x):
-        return self.proj(self.gelu(self.fc(x)))
+        gelu = (jax.checkpoint(_gelu) if self.recompute
+                else gelu_from_input if self.from_input else _gelu)
+        return self.proj(gelu(self.fc(x)))
 
 
 def _gelu(h):

@@ -338,15 +338,14 @@ def test_head_grad_option_rounds_only_the_logits_gradient(rng):
     assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
 
 
-def test_gelu_from_input_changes_no_bit_and_saves_only_the_input():
-    """model.gelu_from_input: the loss and every gradient are bit-identical to autodiff's, and what
-    the forward keeps for each GELU's backward is its bf16 input alone (autodiff keeps three FP32
-    arrays of the MLP's width)."""
+def _gelu_option_is_bit_identical(**option):
+    """A small GPT-2 with and without a GELU option: asserts the loss and every gradient equal bit
+    for bit; returns (config, config with the option, loss function)."""
     import dataclasses
 
     cfg = small_cfg(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
     idx = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 128
-    opt = dataclasses.replace(cfg, gelu_from_input=True)
+    opt = dataclasses.replace(cfg, **option)
 
     def loss(m):
         return gpt2.cross_entropy(m(idx[:, :-1]), idx[:, 1:])
@@ -355,6 +354,16 @@ def test_gelu_from_input_changes_no_bit_and_saves_only_the_input():
     want = value_and_grad(GPT(cfg, rngs=nnx.Rngs(0)))
     got = value_and_grad(GPT(opt, rngs=nnx.Rngs(0)))
     chex.assert_trees_all_equal(got, want)
+    return cfg, opt, loss
+
+
+def test_gelu_from_input_changes_no_bit_and_saves_only_the_input():
+    """model.gelu_from_input: the loss and every gradient are bit-identical to autodiff's, and what
+    the forward keeps for each GELU's backward is its bf16 input alone (autodiff keeps three FP32
+    arrays of the MLP's width)."""
+    import dataclasses
+
+    cfg, _, _ = _gelu_option_is_bit_identical(gelu_from_input=True)
 
     h = jnp.linspace(-4.0, 4.0, 24, dtype=jnp.bfloat16).reshape(2, 12)
     kept = jax.vjp(gpt2.gelu_from_input, h)[1]
@@ -371,19 +380,7 @@ def test_recompute_gelu_changes_no_bit():
     """model.recompute_gelu: the backward recomputes each layer's GELU from its input (a remat per
     layer in the program) and the loss and every gradient are bit-identical. (Recomputing the
     LayerNorms instead is not: their reductions, compiled into other fusions, round differently.)"""
-    import dataclasses
-
-    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
-    idx = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 128
-    opt = dataclasses.replace(cfg, recompute_gelu=True)
-
-    def loss(m):
-        return gpt2.cross_entropy(m(idx[:, :-1]), idx[:, 1:])
-
-    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
-    want = value_and_grad(GPT(cfg, rngs=nnx.Rngs(0)))
-    got = value_and_grad(GPT(opt, rngs=nnx.Rngs(0)))
-    chex.assert_trees_all_equal(got, want)
+    cfg, opt, loss = _gelu_option_is_bit_identical(recompute_gelu=True)
 
     # the name this JAX gives jax.checkpoint's primitive in a differentiated program
     probe = jax.make_jaxpr(jax.grad(jax.checkpoint(jnp.sin)))(1.0)
