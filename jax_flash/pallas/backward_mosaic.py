@@ -266,6 +266,47 @@ def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
         raise ValueError(f"the Mosaic GPU {kernel} kernel does not cover this call: {reason}")
 
 
+def dkdv_scratch(d, dtype, stages):
+    """The dK/dV kernel's compiled shared-memory scratch with a Q/dO ring of ``stages``."""
+    plgpu = mosaic_common.plgpu()
+    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    return (
+        plgpu.SMEM((stages, Q_TILE, d), dtype, transforms=layout),  # Q ring
+        plgpu.SMEM((stages, Q_TILE, d), dtype, transforms=layout),  # dO ring
+        plgpu.SMEM((stages, Q_TILE), jnp.float32),  # L ring
+        plgpu.SMEM((stages, Q_TILE), jnp.float32),  # δ ring
+        plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, d), dtype, transforms=layout),  # K, then dK
+        plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, d), dtype, transforms=layout),  # V, then dV
+        plgpu.Barrier(num_barriers=stages),  # Q arrived
+        plgpu.Barrier(num_barriers=stages),  # dO arrived
+        plgpu.Barrier(num_barriers=stages),  # L arrived
+        plgpu.Barrier(num_barriers=stages),  # δ arrived
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # slot free
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # K arrived, per warpgroup
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # V arrived, per warpgroup
+    )
+
+
+def dq_scratch(d, dtype, stages):
+    """The dQ kernel's compiled shared-memory scratch with a K/V ring of ``stages``."""
+    plgpu = mosaic_common.plgpu()
+    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    rows = (COMPUTE_WGS, KEYS_PER_WG)
+    return (
+        plgpu.SMEM((*rows, d), dtype, transforms=layout),  # Q, then dQ
+        plgpu.SMEM((*rows, d), dtype, transforms=layout),  # dO
+        plgpu.SMEM(rows, jnp.float32),  # L
+        plgpu.SMEM(rows, jnp.float32),  # δ
+        plgpu.SMEM((stages, DQ_KEY_TILE, d), dtype, transforms=layout),  # K ring
+        plgpu.SMEM((stages, DQ_KEY_TILE, d), dtype, transforms=layout),  # V ring
+        *(plgpu.Barrier(num_barriers=COMPUTE_WGS),) * 4,  # Q, dO, L, δ arrived, per warpgroup
+        plgpu.Barrier(num_barriers=stages),  # K_j arrived
+        plgpu.Barrier(num_barriers=stages),  # V_j arrived
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
+    )
+
+
 def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
     query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
@@ -276,25 +317,10 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     nq = t // Q_TILE
-    isz = q.dtype.itemsize
-    stages = mosaic_common.ring_stages(stages, STAGES[d], nq, 2 * Q_TILE * (d * isz + 4),
-                                       2 * COMPUTE_WGS * KEYS_PER_WG * d * isz, "dK/dV")
     layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    scratch = (
-        plgpu.SMEM((stages, Q_TILE, d), q.dtype, transforms=layout),  # Q ring
-        plgpu.SMEM((stages, Q_TILE, d), q.dtype, transforms=layout),  # dO ring
-        plgpu.SMEM((stages, Q_TILE), jnp.float32),  # L ring
-        plgpu.SMEM((stages, Q_TILE), jnp.float32),  # δ ring
-        plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, d), q.dtype, transforms=layout),  # K, then dK
-        plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, d), q.dtype, transforms=layout),  # V, then dV
-        plgpu.Barrier(num_barriers=stages),  # Q arrived
-        plgpu.Barrier(num_barriers=stages),  # dO arrived
-        plgpu.Barrier(num_barriers=stages),  # L arrived
-        plgpu.Barrier(num_barriers=stages),  # δ arrived
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # slot free
-        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # K arrived, per warpgroup
-        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # V arrived, per warpgroup
-    )
+    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n), stages, STAGES[d],
+                                       nq, "dK/dV")
+    scratch = dkdv_scratch(d, q.dtype, stages)
     if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
     body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages, interpret=interpret is not None)
@@ -444,24 +470,11 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     nk = t // DQ_KEY_TILE
-    isz = q.dtype.itemsize
-    stages = mosaic_common.ring_stages(stages, STAGES[d], nk, 2 * DQ_KEY_TILE * d * isz,
-                                       COMPUTE_WGS * KEYS_PER_WG * (2 * d * isz + 8), "dQ")
     layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     rows = (COMPUTE_WGS, KEYS_PER_WG)
-    scratch = (
-        plgpu.SMEM((*rows, d), q.dtype, transforms=layout),  # Q, then dQ
-        plgpu.SMEM((*rows, d), q.dtype, transforms=layout),  # dO
-        plgpu.SMEM(rows, jnp.float32),  # L
-        plgpu.SMEM(rows, jnp.float32),  # δ
-        plgpu.SMEM((stages, DQ_KEY_TILE, d), q.dtype, transforms=layout),  # K ring
-        plgpu.SMEM((stages, DQ_KEY_TILE, d), q.dtype, transforms=layout),  # V ring
-        *(plgpu.Barrier(num_barriers=COMPUTE_WGS),) * 4,  # Q, dO, L, δ arrived, per warpgroup
-        plgpu.Barrier(num_barriers=stages),  # K_j arrived
-        plgpu.Barrier(num_barriers=stages),  # V_j arrived
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
-    )
+    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n), stages, STAGES[d], nk,
+                                       "dQ")
+    scratch = dq_scratch(d, q.dtype, stages)
     if interpret is not None:  # dS staged for the interpreter's wgmma
         scratch += (plgpu.SMEM((*rows, DQ_KEY_TILE), q.dtype, transforms=layout),)
     body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,

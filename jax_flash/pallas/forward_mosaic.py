@@ -190,6 +190,25 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
 
 
+def forward_scratch(bk, d, dtype, stages):
+    """The forward's compiled shared-memory scratch: a K/V ring of ``stages`` tiles of ``bk`` keys."""
+    plgpu = mosaic_common.plgpu()
+    # 128-byte swizzle: one 64-element bf16 row of a tile per swizzle period, as wgmma reads it
+    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    return (
+        plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), dtype, transforms=layout),  # Q, then O
+        plgpu.SMEM((stages, bk, d), dtype, transforms=layout),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=layout),
+        plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q arrived, per warpgroup
+        plgpu.Barrier(num_barriers=stages),  # K_j arrived
+        plgpu.Barrier(num_barriers=stages),  # V_j arrived
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the ping-pong turn
+    )
+
+
 def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
@@ -207,24 +226,10 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     nk = t // bk
     if nk < 2:
         raise ValueError(f"the Mosaic GPU forward needs ≥ 2 key tiles, got {nk}")
-    isz = q.dtype.itemsize
-    stages = mosaic_common.ring_stages(stages, STAGES[bk], nk, 2 * bk * d * isz,
-                                       COMPUTE_WGS * ROWS_PER_WG * (d * isz + 4), "forward",
-                                       least=2)
-    # 128-byte swizzle: one 64-element bf16 row of a tile per swizzle period, as wgmma reads it
     layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    scratch = (
-        plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), q.dtype, transforms=layout),  # Q, then O
-        plgpu.SMEM((stages, bk, d), q.dtype, transforms=layout),
-        plgpu.SMEM((stages, bk, d), q.dtype, transforms=layout),
-        plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
-        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q arrived, per warpgroup
-        plgpu.Barrier(num_barriers=stages),  # K_j arrived
-        plgpu.Barrier(num_barriers=stages),  # V_j arrived
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the ping-pong turn
-    )
+    stages = mosaic_common.ring_stages(lambda n: forward_scratch(bk, d, q.dtype, n), stages,
+                                       STAGES[bk], nk, "forward", least=2)
+    scratch = forward_scratch(bk, d, q.dtype, stages)
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
     body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages, interpret=interpret is not None)

@@ -7,6 +7,7 @@ any JAX it supports (0.10.2 on CPU); the kernels are written against jax 0.11.2'
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -40,19 +41,44 @@ def unavailable() -> str | None:
 SMEM_LIMIT = 227 * 1024
 
 
-def ring_stages(asked: int | None, default: int, steps: int, per_stage: int, fixed: int,
+# Mosaic GPU puts each shared-memory buffer on a 1 KiB boundary (what a 128-byte swizzle needs) and
+# gives each barrier 8 bytes; the lowering may add scratch of its own: 2 KiB in the forward as
+# compiled by jax 0.11.2 (its reported totals: 233,704 bytes for the dK/dV kernel's ring of 5,
+# 232,568 for the forward's ring of 3 at head_dim 128 with 128-key tiles).
+SMEM_ALIGN = 1024
+BARRIER_BYTES = 8
+LOWERING_RESERVE = 2048
+
+
+def smem_bytes(scratch) -> int:
+    """Shared memory a kernel's compiled scratch (``plgpu.SMEM`` buffers, ``plgpu.Barrier`` arrays)
+    takes as Mosaic GPU lays it out, with the lowering's reserve: the number its limit is checked on."""
+    total = LOWERING_RESERVE
+    for s in scratch:
+        if hasattr(s, "num_barriers"):
+            n = s.num_barriers
+            total += BARRIER_BYTES * math.prod(n if isinstance(n, tuple) else (n,))
+        else:
+            size = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
+            total += -(-size // SMEM_ALIGN) * SMEM_ALIGN
+    return total
+
+
+def ring_stages(make_scratch: Callable[[int], tuple], asked: int | None, default: int, steps: int,
                 kernel: str, least: int = 1) -> int:
     """The depth of a kernel's shared-memory ring: ``asked`` (a launch's) or ``default``, at most
-    ``steps`` (the tiles a program streams). ``per_stage``/``fixed``: its bytes per stage and
-    besides the ring; a ring that cannot fit raises, naming the largest that would."""
+    ``steps`` (the tiles a program streams). ``make_scratch(stages)``: the kernel's compiled scratch
+    at that depth; a ring that does not fit raises, naming the deepest that would."""
     stages = min(asked or default, steps)
     if stages < least:
         raise ValueError(f"the Mosaic GPU {kernel} kernel needs ≥ {least} stages, got {stages}")
-    if fixed + stages * per_stage > SMEM_LIMIT:
-        most = (SMEM_LIMIT - fixed) // per_stage
-        raise ValueError(f"the Mosaic GPU {kernel} kernel: {stages} stages need "
-                         f"{(fixed + stages * per_stage) // 1024} KiB of shared memory, more than "
-                         f"{SMEM_LIMIT // 1024} KiB; at most {most} fit this shape")
+    need = smem_bytes(make_scratch(stages))
+    if need > SMEM_LIMIT:
+        most = max((n for n in range(least, stages) if smem_bytes(make_scratch(n)) <= SMEM_LIMIT),
+                   default=None)
+        raise ValueError(f"the Mosaic GPU {kernel} kernel: {stages} stages need {need:,} bytes of "
+                         f"shared memory, more than {SMEM_LIMIT:,} ({SMEM_LIMIT // 1024} KiB); "
+                         + (f"at most {most} fit this shape" if most else "no depth fits this shape"))
     return stages
 
 
