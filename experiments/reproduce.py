@@ -112,10 +112,12 @@ def probe_overhead(recs):
 def _run_dirs(roots):
     """(label, dir) of every run under the roots; a run in a sub-folder of a root (an archived
     batch, e.g. ``before-ln-fix/``) is labelled with its path relative to the root."""
+    from train.gpt2 import METRICS_FILES
+
     found = []
     for root in map(Path, roots):
         for p in sorted(root.rglob("metrics.jsonl*")):
-            if p.name in ("metrics.jsonl", "metrics.jsonl.gz"):
+            if p.name in METRICS_FILES:
                 found.append((str(p.parent.relative_to(root)), p.parent))
     return list(dict(found).items())
 

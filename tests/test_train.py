@@ -489,11 +489,23 @@ def test_divergence_reason():
     assert r(1e6, 1.0, 5.0, 0.0) is None  # factor 0: only non-finite values stop
 
 
+def test_packed_metrics_read_back_unchanged(tmp_path):
+    """results/ keeps a run's metrics xz-compressed; read_metrics returns the records as written."""
+    recs = [{"step": 1, "loss": 10.913906097412109}, {"step": 2, "max_logit/L1": [1.5, 2.25]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    dest = tmp_path / "kept"
+    dest.mkdir()
+    assert T.pack_metrics(tmp_path, dest).name == "metrics.jsonl.xz"
+    assert T.has_metrics(dest) and T.read_metrics(dest) == recs
+    with pytest.raises(FileNotFoundError, match="no metrics"):
+        T.read_metrics(tmp_path / "nothing")
+
+
 def test_divergence_rule_on_the_committed_runs():
     """Replayed over every committed run's metrics (GPT-2 small on the H200, warmup included), the
     rule fires exactly where a recorded run was stopped and nowhere else: a healthy warmup's loss
     stays far below 3x its running minimum."""
-    paths = sorted((REPO / "results").rglob("metrics.jsonl.gz"))
+    paths = sorted((REPO / "results").rglob("metrics.jsonl.xz"))
     assert paths, "no committed runs under results/"
     for path in paths:
         fired, running = None, math.inf

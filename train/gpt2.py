@@ -628,21 +628,38 @@ def train(
     return summary
 
 
+# A run's metrics as written, and as kept in results/: xz-compressed (about a quarter smaller than
+# gzip, which older copies may still use).
+METRICS_FILES = ("metrics.jsonl", "metrics.jsonl.xz", "metrics.jsonl.gz")
+
+
 def has_metrics(run_dir: str | Path) -> bool:
-    """Whether ``run_dir`` holds a metrics file ``read_metrics`` can read (plain or gzipped)."""
-    return any((Path(run_dir) / f).exists() for f in ("metrics.jsonl", "metrics.jsonl.gz"))
+    """Whether ``run_dir`` holds a metrics file ``read_metrics`` can read (plain or compressed)."""
+    return any((Path(run_dir) / f).exists() for f in METRICS_FILES)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of ``run_dir/metrics.jsonl`` (or of the gzipped ``metrics.jsonl.gz`` kept in results/)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists() and path.with_suffix(".jsonl.gz").exists():
-        import gzip
+    """The records of ``run_dir/metrics.jsonl``, or of its compressed copy kept in results/."""
+    import gzip
+    import lzma
 
-        text = gzip.decompress(path.with_suffix(".jsonl.gz").read_bytes()).decode()
-    else:
-        text = path.read_text()
-    return [json.loads(l) for l in text.splitlines() if l.strip()]
+    for name in METRICS_FILES:
+        path = Path(run_dir) / name
+        if path.exists():
+            raw = path.read_bytes()
+            text = (lzma.decompress(raw) if name.endswith(".xz") else
+                    gzip.decompress(raw) if name.endswith(".gz") else raw).decode()
+            return [json.loads(l) for l in text.splitlines() if l.strip()]
+    raise FileNotFoundError(f"no metrics in {run_dir}: none of {', '.join(METRICS_FILES)}")
+
+
+def pack_metrics(run_dir: str | Path, dest_dir: str | Path) -> Path:
+    """Copy ``run_dir/metrics.jsonl`` to ``dest_dir/metrics.jsonl.xz``, the form results/ keeps."""
+    import lzma
+
+    dest = Path(dest_dir) / "metrics.jsonl.xz"
+    dest.write_bytes(lzma.compress((Path(run_dir) / "metrics.jsonl").read_bytes(), preset=9))
+    return dest
 
 
 # ----------------------------------------------------------------------------- CLI

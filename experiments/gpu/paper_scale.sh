@@ -19,4 +19,5 @@ timeout "$LIMIT" python3 -m train.gpt2 --preset gpt2-small-paper "${EXTRA[@]}" d
 echo "exit $?"; tail -5 "$RUNS/$ARM.log"
 cp "$RUNS/$ARM.log" "$OUT/paper/$ARM/run.log"
 cp "$RUNS/$ARM"/{config.json,summary.json} "$OUT/paper/$ARM/" 2>/dev/null
-gzip -c "$RUNS/$ARM/metrics.jsonl" > "$OUT/paper/$ARM/metrics.jsonl.gz"
+python3 -c "import sys; from train.gpt2 import pack_metrics; pack_metrics(*sys.argv[1:])" \
+  "$RUNS/$ARM" "$OUT/paper/$ARM"

@@ -66,7 +66,8 @@ for spec in "$@"; do
   echo "$name: exit $?"; tail -5 "$RUNS/$name.log"
   mkdir -p "$DEST/$name"
   cp "$RUNS/$name"/{config.json,summary.json} "$DEST/$name/" 2>/dev/null
-  gzip -c "$RUNS/$name/metrics.jsonl" > "$DEST/$name/metrics.jsonl.gz"
+  python3 -c "import sys; from train.gpt2 import pack_metrics; pack_metrics(*sys.argv[1:])" \
+    "$RUNS/$name" "$DEST/$name"
   cp "$RUNS/$name"/tensors/*.npz "$DEST/$name/" 2>/dev/null
 done
 python3 -m experiments.reproduce table "$DEST"
