@@ -3,6 +3,7 @@ float64 attention of the same inputs within its derived bound (helpers.o_bound, 
 both executors; jit against no jit; vmap; NaN isolation; and every kind of bad input (the table in
 docs/TESTING.md), each with a clear error or a correct result."""
 
+import functools
 import itertools
 import math
 
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import (BF16, f64, grad_bounds, make_qkv, numerics, o_bound, reference_outputs, run,
-                     run_eager, tied_inputs)
+from helpers import (BF16, f64, grad_bounds, jitted, make_qkv, numerics, o_bound, reference_outputs,
+                     run, run_eager, tied_inputs)
 
 IMPLS = ("jnp", "pallas")  # pallas: the kernels in Pallas interpret mode on the CPU
 
@@ -126,17 +127,26 @@ def test_stable_fp16_large_tied_max(rng, impl):
 
 
 # ------------------------------------------------------------------------------------ composition
+JIT_KW = dict(stable=True, block_q=16, block_k=16, impl="jnp")
+
+
+@functools.cache
+def _op_by_op():
+    """The inputs of JitTest and their op-by-op (O, dQ, dK, dV), computed once for both variants."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = make_qkv(rng, (2, 20, 2, 32), n=4)
+    return (q, k, v, do), run_eager(q, k, v, do, **JIT_KW)
+
+
 class JitTest(chex.TestCase):
     """attention under jit and without it: the same program, bitwise the same values."""
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_forward_and_gradients(self):
-        rng = np.random.default_rng(0)
-        q, k, v, do = make_qkv(rng, (2, 20, 2, 32), n=4)
-        kw = dict(stable=True, block_q=16, block_k=16, impl="jnp")
-        f = self.variant(lambda q, k, v, do: run_eager(q, k, v, do, **kw))
+        (q, k, v, do), want = _op_by_op()
+        f = self.variant(lambda q, k, v, do: run_eager(q, k, v, do, **JIT_KW))
         outs = f(q, k, v, do)
-        chex.assert_trees_all_equal(outs, run_eager(q, k, v, do, **kw))
+        chex.assert_trees_all_equal(outs, want)
         for out, x in zip(outs, (q, q, k, v)):
             chex.assert_shape(out, x.shape)
             chex.assert_type(out, BF16)
@@ -145,8 +155,8 @@ class JitTest(chex.TestCase):
 @pytest.mark.parametrize("impl", ["pallas", pytest.param("jnp", marks=pytest.mark.slow)])
 def test_grad_of_vmap_equals_per_element(rng, assert_close, impl):
     """jit(vmap(grad)) over a leading axis: each slice's gradients are the single call's, within
-    twice the gradient bound (each is within it of the exact gradient; the compiled program may
-    fuse and block FP32 sums otherwise than the op-by-op one)."""
+    twice the gradient bound (each is within it of the exact gradient; the batched program may
+    fuse and block FP32 sums otherwise than the single call's)."""
     q, k, v = make_qkv(rng, (2, 1, 20, 2, 32))
     kw = dict(stable=True, block_q=16, block_k=16)
 
@@ -156,10 +166,12 @@ def test_grad_of_vmap_equals_per_element(rng, assert_close, impl):
     g = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, 0, 0, None)),
                 static_argnums=3)(q, k, v, impl)
     chex.assert_trees_all_equal_shapes_and_dtypes(g, (q, k, v))
+    # compiled once for both slices: op by op, each slice's call compiled its own pieces
+    grad_one = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
     for i in range(q.shape[0]):
-        g_one = jax.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i], impl)
+        g_one = grad_one(q[i], k[i], v[i], impl)
         # dO = 2·O: both calls see the same dO, so the exact-δ bound covers each
-        do = 2 * jf.attention(q[i], k[i], v[i], impl=impl, **kw).astype(jnp.float32)
+        do = 2 * jitted(jf.attention, q[i], k[i], v[i], impl=impl, **kw).astype(jnp.float32)
         cfg = numerics(q[i], k[i], v[i], impl=impl, **kw)
         for name, a, b, bd in zip(("dQ", "dK", "dV"), g, g_one, grad_bounds(q[i], k[i], v[i], do, cfg)):
             assert_close(a[i], b, 2 * bd, name)
@@ -416,7 +428,8 @@ def test_nonfinite_input_stays_in_its_rows(rng, impl, where, value):
     q, k, v = make_qkv(rng, (2, 20, 2, 32))
     x = {"q": q, "k": k, "v": v}
     x[where] = x[where].at[1, 17, 0, 3].set(value)
-    o = f64(jf.attention(x["q"], x["k"], x["v"], impl=impl, block_q=16, block_k=16))
+    # one compiled program serves every case of an executor: op by op, each case compiled its own
+    o = f64(jitted(jf.attention, x["q"], x["k"], x["v"], impl=impl, block_q=16, block_k=16))
     bad = ~np.isfinite(o).all(-1)  # [B, T, H]
     outside = bad.copy()
     outside[1, :, 0] = False

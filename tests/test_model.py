@@ -1,5 +1,6 @@
 """models/gpt2.py: shapes, tied head, init statistics, attention variants and per-layer/per-head choice."""
 
+import functools
 import math
 
 import chex
@@ -34,7 +35,7 @@ def test_output_shapes_and_dtypes():
     cfg = small_cfg()
     model = GPT(cfg, rngs=nnx.Rngs(0))
     idx = tokens((3, 17))
-    logits, caps = model(idx, return_intermediates=True)
+    logits, caps = nnx.jit(lambda m, idx: m(idx, return_intermediates=True))(model, idx)
     assert logits.shape == (3, 17, 256) and logits.dtype == jnp.float32
     assert len(caps) == cfg.n_layer
     for cap in caps:
@@ -65,7 +66,7 @@ def test_parameters_tied_head_and_no_biases():
     # zeroing embedding row v zeroes logit v everywhere (the head multiplies by wte.embedding)
     idx = tokens((2, 16), seed=3) % 100 + 100  # inputs never use token 7
     model.wte.embedding[...] = model.wte.embedding[...].at[7].set(0.0)
-    logits = model(idx)
+    logits = nnx.jit(lambda m, idx: m(idx))(model, idx)
     assert jnp.all(logits[..., 7] == 0.0)
     assert jnp.all(logits[..., 8] != 0.0)
 
@@ -96,7 +97,7 @@ def test_initial_loss_is_log_vocab():
     cfg = small_cfg(vocab_size=50304)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     idx = tokens((4, 32), vocab=50304)
-    loss = cross_entropy(model(idx), jnp.roll(idx, -1, axis=1))
+    loss = nnx.jit(lambda m, idx: cross_entropy(m(idx), jnp.roll(idx, -1, axis=1)))(model, idx)
     assert abs(float(loss) - math.log(50304)) < 0.05
 
 
@@ -133,7 +134,8 @@ def _logits_for(kind_or_spec, dtype, **kw):
     cfg = small_cfg(dtype=dtype, attention=spec, init_std=0.1, block_size=64, **kw)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     with jax.default_matmul_precision("highest" if dtype == "float32" else None):
-        return np.asarray(model(tokens((2, 64))))
+        # one compiled forward: op by op, each of its many shapes compiled a program of its own
+        return np.asarray(nnx.jit(lambda m, idx: m(idx))(model, tokens((2, 64))))
 
 
 def _flash_available():
@@ -278,13 +280,22 @@ def test_unknown_attention_kind_raises():
         model(tokens())
 
 
+@functools.cache
+def _one_layer_baseline():
+    """A one-layer GPT-2 of 32, its tokens and loss function, and the default model's loss and every
+    gradient: compiled once for both head options compared against it."""
+    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    idx = jnp.arange(16, dtype=jnp.int32)[None] % 128
+    loss = lambda m: gpt2.cross_entropy(m(idx), idx)
+    return cfg, idx, loss, nnx.jit(nnx.value_and_grad(loss))(GPT(cfg, rngs=nnx.Rngs(0)))
+
+
 def test_bf16_logits_option_rounds_like_autocast():
     """model.logits_dtype="bfloat16" gives exactly the FP32 logits rounded to bf16 (nanoGPT's lm_head
     output under autocast); the default keeps FP32."""
     import dataclasses
 
-    cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=32)
-    idx = jnp.arange(16, dtype=jnp.int32)[None] % 128
+    cfg, idx, loss, (_, g32) = _one_layer_baseline()
     logits = nnx.jit(lambda m: m(idx))
     f32 = logits(GPT(cfg, rngs=nnx.Rngs(0)))
     b16 = logits(GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0)))
@@ -293,11 +304,8 @@ def test_bf16_logits_option_rounds_like_autocast():
     assert np.any(np.asarray(b16) != np.asarray(f32))
     # backward: the head's GEMMs take the logits' gradient in bf16 (autocast's), so under the
     # option the head's weight gradient is that of the bf16-rounded logit gradient
-    loss = lambda m: gpt2.cross_entropy(m(idx), idx)
     m16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))
-    grad = nnx.jit(nnx.grad(loss))
-    g16 = grad(m16)
-    g32 = grad(GPT(cfg, rngs=nnx.Rngs(0)))
+    _, g16 = nnx.jit(nnx.value_and_grad(loss))(m16)
     assert g16.wte.embedding[...].dtype == jnp.float32
     assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
 
@@ -326,16 +334,25 @@ def test_head_grad_option_rounds_only_the_logits_gradient(rng):
                for a, b in zip(default, want))
 
     # in the model: the same loss, other gradients
-    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=32)
-    idx = jnp.arange(16, dtype=jnp.int32)[None] % 128
-    loss = lambda m: gpt2.cross_entropy(m(idx), idx)
+    cfg, idx, loss, (l32, g32) = _one_layer_baseline()
     opt = dataclasses.replace(cfg, head_grad_dtype="bfloat16")
-    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
-    l32, g32 = value_and_grad(GPT(cfg, rngs=nnx.Rngs(0)))
-    l16, g16 = value_and_grad(GPT(opt, rngs=nnx.Rngs(0)))
+    l16, g16 = nnx.jit(nnx.value_and_grad(loss))(GPT(opt, rngs=nnx.Rngs(0)))
     chex.assert_trees_all_equal(l16, l32)
     assert g16.wte.embedding[...].dtype == jnp.float32
     assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
+
+
+@functools.cache
+def _two_layer_baseline():
+    """A small GPT-2 (2 layers of 32), its loss function, and the default model's loss and every
+    gradient: compiled once for every option compared against it."""
+    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    idx = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 128
+
+    def loss(m):
+        return gpt2.cross_entropy(m(idx[:, :-1]), idx[:, 1:])
+
+    return cfg, loss, nnx.jit(nnx.value_and_grad(loss))(GPT(cfg, rngs=nnx.Rngs(0)))
 
 
 def _gelu_option_is_bit_identical(**option):
@@ -343,16 +360,9 @@ def _gelu_option_is_bit_identical(**option):
     for bit; returns (config, config with the option, loss function)."""
     import dataclasses
 
-    cfg = small_cfg(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
-    idx = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 128
+    cfg, loss, want = _two_layer_baseline()
     opt = dataclasses.replace(cfg, **option)
-
-    def loss(m):
-        return gpt2.cross_entropy(m(idx[:, :-1]), idx[:, 1:])
-
-    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
-    want = value_and_grad(GPT(cfg, rngs=nnx.Rngs(0)))
-    got = value_and_grad(GPT(opt, rngs=nnx.Rngs(0)))
+    got = nnx.jit(nnx.value_and_grad(loss))(GPT(opt, rngs=nnx.Rngs(0)))
     chex.assert_trees_all_equal(got, want)
     return cfg, opt, loss
 
