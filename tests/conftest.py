@@ -10,7 +10,9 @@ a fraction of its bound (a ratio above 1 is a failure).
 import collections
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import chex
 import jax
@@ -21,6 +23,21 @@ SLOW = os.environ.get("JAX_FLASH_SLOW") == "1"
 
 DEFAULT_SEED = 0
 _RATIOS = collections.defaultdict(list)  # (test, quantity) -> [(seed, ratio)]
+
+
+def pytest_configure(config):
+    # A program compiled again in this process (each training run jits its own step) loads from an
+    # on-disk cache of this process's compilations: on a CPU (no autotuning) the same executable.
+    if jax.default_backend() == "cpu" and not jax.config.jax_compilation_cache_dir:
+        config._jax_cache_dir = tempfile.mkdtemp(prefix="jax-flash-tests-xla-")
+        jax.config.update("jax_compilation_cache_dir", config._jax_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_jax_cache_dir", None):
+        shutil.rmtree(config._jax_cache_dir, ignore_errors=True)
 
 
 def pytest_addoption(parser):

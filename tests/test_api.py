@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import (BF16, f64, grad_bounds, jitted, make_qkv, numerics, o_bound, reference_outputs,
-                     run, run_eager, tied_inputs)
+from helpers import (BF16, attention_with_lse, f64, grad_bounds, jitted, make_qkv, numerics, o_bound,
+                     reference_outputs, run, run_eager, tied_inputs)
 
 IMPLS = ("jnp", "pallas")  # pallas: the kernels in Pallas interpret mode on the CPU
 
@@ -120,7 +120,7 @@ def test_stable_fp16_large_tied_max(rng, impl):
     the BF16 guard's [10, 20) they fell below its smallest subnormal and O collapsed towards 0."""
     q, k, v = tied_inputs(rng, (1, 24, 1, 32), jnp.float16, score=30.0)
     kw = dict(stable=True, block_q=16, block_k=32)
-    o = f64(jf.attention(q, k, v, impl=impl, **kw))
+    o = f64(jitted(jf.attention, q, k, v, impl=impl, **kw))  # compiled whole, not op by op
     ref = jf.reference_numpy(q, k, v)
     bound, _ = o_bound(q, k, v, numerics(q, k, v, **kw))
     assert np.all(np.abs(o - ref) <= bound)
@@ -184,12 +184,12 @@ def test_nan_stays_in_its_rows(rng, impl):
     q, k, v = make_qkv(rng, (3, 20, 2, 32))
     k = k.at[1, 4, 0, 0].set(jnp.nan)
     kw = dict(impl=impl, block_q=16, block_k=16)
-    o = f64(jf.attention(q, k, v, **kw))
+    o = f64(jitted(jf.attention, q, k, v, **kw))  # compiled whole, not op by op
     nan_rows = np.isnan(o).any(-1)  # [B, T, H]
     want = np.zeros_like(nan_rows)
     want[1, 4:, 0] = True
     np.testing.assert_array_equal(nan_rows, want)
-    g = jax.grad(lambda q: jnp.sum(jf.attention(q, k, v, **kw).astype(jnp.float32)))(q)
+    g = jax.jit(jax.grad(lambda q: jnp.sum(jf.attention(q, k, v, **kw).astype(jnp.float32))))(q)
     assert np.isfinite(f64(g)[[0, 2]]).all() and np.isfinite(f64(g)[1, :, 1]).all()
 
 
@@ -199,10 +199,10 @@ def test_attention_with_lse(rng, record_bound, impl):
     bound: L̃'s relative error of ℓ (the forward's row term) plus FP32 roundings of m + log ℓ."""
     q, k, v = make_qkv(rng, (1, 37, 2, 32))
     kw = dict(impl=impl, block_q=16, block_k=16)
-    o, lse = jf.attention_with_lse(q, k, v, **kw)
+    o, lse = attention_with_lse(q, k, v, **kw)  # compiled whole, not op by op
     chex.assert_shape(lse, (1, 2, 37))
     chex.assert_type(lse, jnp.float32)
-    chex.assert_trees_all_equal(o, jf.attention(q, k, v, **kw))
+    chex.assert_trees_all_equal(o, jitted(jf.attention, q, k, v, **kw))
     s = np.einsum("bqhd,bkhd->bhqk", f64(q), f64(k)) / math.sqrt(32)
     s = np.where(np.tril(np.ones((37, 37), bool)), s, -np.inf)
     ref = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
@@ -409,8 +409,8 @@ def test_edge_input_gives_correct_result(rng, assert_close, case, impl):
     check_against_reference(assert_close, q, k, v, do, impl=impl, **spec)
     if "sm_scale" in spec or "beta" in spec:  # a NumPy / JAX scalar is its Python float
         plain = {n: float(x) for n, x in spec.items() if n in ("sm_scale", "beta")}
-        chex.assert_trees_all_equal(jf.attention(q, k, v, impl=impl, **spec),
-                                    jf.attention(q, k, v, impl=impl, **{**spec, **plain}))
+        chex.assert_trees_all_equal(jitted(jf.attention, q, k, v, impl=impl, **spec),
+                                    jitted(jf.attention, q, k, v, impl=impl, **{**spec, **plain}))
     if "block_k" in spec or "block_q" in spec:
         num = numerics(q, k, v, **spec)
         assert num.block_k <= 64 and num.block_q <= 64  # the next power of two ≥ T = 37

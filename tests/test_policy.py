@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import BF16, f64, make_qkv, numerics, o_bound
+from helpers import BF16, f64, jitted, make_qkv, numerics, o_bound
 from jax_flash.policy import POLICIES, make_policy
 
 
@@ -62,8 +62,8 @@ def test_sr_policies_within_their_bound(rng, assert_close, name):
     same dither: tests/test_pallas_forward.py."""
     q, k, v = make_qkv(rng, (1, 40, 2, 32))
     kw = dict(policy=name, block_q=16, block_k=16, impl="jnp")
-    o = jf.attention(q, k, v, **kw)
+    o = jitted(jf.attention, q, k, v, **kw)  # compiled whole, not op by op
     chex.assert_type(o, BF16)
     assert_close(o, jf.reference_numpy(q, k, v), o_bound(q, k, v, numerics(q, k, v, **kw))[0], "O")
-    base = jf.attention(q, k, v, **{**kw, "policy": name.split("_")[0]})
+    base = jitted(jf.attention, q, k, v, **{**kw, "policy": name.split("_")[0]})
     assert np.any(f64(o) != f64(base))

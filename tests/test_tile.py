@@ -231,10 +231,11 @@ def test_ties_split_across_key_tiles_are_not_detected(rng):
     k[:, 3] = k[:, 20] = direction * rng.uniform(6.0, 10.0) * np.sqrt(32) / 4.0
     q, k, v = (jnp.asarray(x, BF16) for x in (q, k, v))
     kw = dict(causal=False, impl="jnp", block_q=16)
-    split = [np.asarray(jf.attention(q, k, v, stable=s, block_k=16, **kw), np.float32)
+    # each call compiled whole: op by op, every op of the executor compiled a program of its own
+    split = [np.asarray(jitted(jf.attention, q, k, v, stable=s, block_k=16, **kw), np.float32)
              for s in (False, True)]
     np.testing.assert_array_equal(split[0], split[1])
-    joint = [np.asarray(jf.attention(q, k, v, stable=s, block_k=32, **kw), np.float32)
+    joint = [np.asarray(jitted(jf.attention, q, k, v, stable=s, block_k=32, **kw), np.float32)
              for s in (False, True)]
     assert np.any(joint[0] != joint[1])
 
@@ -383,7 +384,7 @@ def test_stable_with_fully_masked_key_tiles(rng, assert_close, policy, impl):
                                    bounds):
         assert_close(x, ref, bound, name)
     if policy != "fp32":  # (under "fp32" the shift moves O by less than its final BF16 rounding)
-        base = jf.attention(q, k, v, stable=False, **kw)
+        base = jitted(jf.attention, q, k, v, stable=False, **kw)
         assert np.any(f64(stab[0]) != f64(base))  # the shift fired somewhere
 
 
@@ -406,8 +407,8 @@ def test_stable_is_bitwise_baseline_without_ties(rng, policy, impl):
 def test_stable_changes_only_tie_rows(rng, policy):
     q, k, v = tied_inputs(rng, (2, 40, 2, 32))
     kw = dict(policy=policy, impl="jnp", block_q=16, block_k=64)  # one key tile: the pair shares it
-    base = f64(jf.attention(q, k, v, stable=False, **kw))
-    stab = f64(jf.attention(q, k, v, stable=True, **kw))
+    base = f64(jitted(jf.attention, q, k, v, stable=False, **kw))
+    stab = f64(jitted(jf.attention, q, k, v, stable=True, **kw))
     # Rows 0..4 see at most one of the identical keys (3 and 5): no tie, identical bits — except rows
     # whose random scores happen to have a near-tie at their max (kept out)
     s = np.sort(jf.reference.scores_numpy(q, k), axis=-1)  # [b, h, q, k], -inf where masked
@@ -430,7 +431,7 @@ def test_stable_floor_after_shift(rng, policy, impl):
     k = k.at[:, 16:].set(-k[:, 3:4])  # scores ≈ −50 after the first tile of 16 keys
     kw = dict(policy=policy, impl=impl, block_q=16, block_k=16)
     ref = jf.reference_numpy(q, k, v)[:, 16:]
-    stab = f64(jf.attention(q, k, v, stable=True, **kw))[:, 16:]
+    stab = f64(jitted(jf.attention, q, k, v, stable=True, **kw))[:, 16:]
     assert np.all(np.isfinite(stab))
     shrink = np.sum((stab - ref) * ref) / np.sum(ref * ref)
     assert abs(shrink) < 5e-3, shrink
