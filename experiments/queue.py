@@ -29,9 +29,9 @@ from pathlib import Path
 CONFIRM_ARMS = ("paper", "paper-stable", "fa2", "fa2-stable", "fa2-dpp", "standard")
 TWIN_ARMS = ("torch-flash-o", "torch-flash-dpp")
 # limits per execution: two `paper`/`fa2`-family executions (3,000 steps of 6 layers: 170–270 s)
-# or PyTorch-twin ones (its 12-layer execution: 4,000 steps in 300 s) fit a 600-s call;
-# `standard` (about 90 ms a step) takes one call alone
-LIMIT_S = {"standard": 400}
+# fit a 600-s call; `standard` (about 90 ms a step) and a PyTorch-twin execution (about 132 ms a
+# step on 6 layers, its backward written out in PyTorch) take one call each
+LIMIT_S = {"standard": 400, "torch-flash-o": 450, "torch-flash-dpp": 450}
 DEFAULT_LIMIT_S = 295
 
 
