@@ -183,28 +183,43 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None, n_heads
 
 
 def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) -> Path:
-    """Layer ``layer``'s max logit over steps, one panel per seed: colour = arm, line style =
-    execution (``roots[i]/<arm>-s<seed>`` is execution i + 1) — how far repeated executions of one
-    configuration part, beside how far the arms do."""
-    fig, axes = plt.subplots(1, len(seeds), figsize=(5.6 * len(seeds), 4.6), sharey=True,
-                             squeeze=False)
+    """Layer ``layer``'s max logit over steps, one panel per seed (at most four a row): colour =
+    arm, line style = execution (``roots[i]/<arm>-s<seed>`` is execution i + 1), a cross where the
+    divergence stop ended an execution — how far repeated executions of one configuration part,
+    beside how far the arms do. A seed with no execution yet keeps an empty, labelled panel."""
+    ncols = min(4, len(seeds))
+    nrows = -(-len(seeds) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.6 * ncols, 4.6 * nrows), sharex=True,
+                             sharey=True, squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, seed in zip(axes[0], seeds):
+    for ax in axes.ravel()[len(seeds):]:
+        ax.set_visible(False)
+    for ax, seed in zip(axes.ravel(), seeds):
+        made = False
         for a, arm in enumerate(arms):
             for e, root in enumerate(roots):
                 d = Path(root) / f"{arm}-s{seed}"
                 if not has_metrics(d):
                     continue
+                made = True
                 s, v = series(read_metrics(d), f"max_logit/L{layer}")
                 if horizon:
                     s, v = s[s <= horizon], v[s <= horizon]
-                ax.plot(s, v, STYLES[e % len(STYLES)], color=colors[a % len(colors)], lw=1.3,
+                color = colors[a % len(colors)]
+                ax.plot(s, v, STYLES[e % len(STYLES)], color=color, lw=1.3,
                         label=f"{arm}, execution {e + 1}")
-        ax.set(title=f"seed {seed}", xlabel="step", yscale="log")
+                summary = d / "summary.json"
+                if len(s) and summary.exists() and json.loads(summary.read_text()).get("diverged_at"):
+                    ax.plot(s[-1], v[-1], "x", color=color, ms=9, mew=2)
+        ax.set(title=f"seed {seed}" + ("" if made else " (no execution yet)"), xlabel="step",
+               yscale="log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel(f"max attention logit, layer {layer} (0-based)")
-    fig.suptitle("repeated GPU executions of one configuration (colour: arm; style: execution)")
+        if made:
+            ax.legend(fontsize=7)
+    for row in axes:
+        row[0].set_ylabel(f"max attention logit, layer {layer} (0-based)")
+    fig.suptitle(f"max attention logit of layer {layer} (0-based) per execution "
+                 "(colour: arm; style: execution; ×: ended by the divergence stop)")
     return save_figure(fig, out)
 
 

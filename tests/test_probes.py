@@ -506,6 +506,29 @@ def test_plot_run_makes_a_png(probed_run, tmp_path):
     assert (tmp_path / "cli.png").stat().st_size > 20_000
 
 
+def test_plot_executions_marks_the_divergence_stop_and_keeps_seeds_not_made(probed_run, tmp_path,
+                                                                            monkeypatch):
+    """One panel per seed in rows of at most four; an execution the divergence stop ended ends in
+    a cross, one that ran out does not; a seed with no execution keeps a labelled empty panel."""
+    import shutil
+
+    run, _, _ = probed_run
+    root = tmp_path / "executions"
+    for name, diverged in (("fa2-s1", None), ("paper-s1", 6)):
+        shutil.copytree(run, root / name)
+        (root / name / "summary.json").write_text(json.dumps({"diverged_at": diverged}))
+    figs = []
+    monkeypatch.setattr(plot_run, "save_figure", lambda fig, out: figs.append(fig) or out)
+    plot_run.plot_executions([root], ["paper", "fa2"], [1, 2, 3, 4, 5], tmp_path / "x.png")
+    axes = [ax for ax in figs[0].axes if ax.get_visible()]
+    assert len(figs[0].axes) == 8 and len(axes) == 5  # two rows of four, three left hidden
+    assert [ax.get_title() for ax in axes] == ["seed 1"] + [
+        f"seed {s} (no execution yet)" for s in (2, 3, 4, 5)]
+    crosses = [ln for ln in axes[0].get_lines() if ln.get_marker() == "x"]
+    assert len(crosses) == 1 and crosses[0].get_color() == axes[0].get_lines()[0].get_color()
+    assert not axes[1].get_lines()
+
+
 def test_snapshot_and_lowrank_cli(probed_run, tmp_path, capsys):
     run, _, snap = probed_run
     assert [p.name for p in snap.saved] == ["snap_L1_H2_step2.npz", "snap_L1_H2_step6.npz"]
