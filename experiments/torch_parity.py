@@ -125,31 +125,37 @@ class FlashWithDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         # every product's operands are representable in q's dtype: TF32 multiplies them exactly
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = True
         try:
-            qf, kf, vf, dof = (x.to(acc) for x in (q, k, v, do))
-            t = q.shape[2]
-            dq, dk, dv = torch.empty_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-            delta_o = (dof * o.to(acc)).sum(-1, keepdim=True) if ctx.delta == "o" else None
-            rnd = lambda x: x.to(q.dtype).to(acc)
-            for r0 in range(0, t, DELTA_CHUNK):
-                r1 = min(t, r0 + DELTA_CHUNK)  # causal: these rows see keys [0, r1)
-                rows = torch.arange(r0, r1, device=q.device)[:, None]
-                seen = rows >= torch.arange(r1, device=q.device)[None, :]
-                s = (qf[:, :, r0:r1] @ kf[:, :, :r1].transpose(-2, -1)) * ctx.scale
-                p = torch.exp(s - lse[:, :, r0:r1, None].to(acc)).masked_fill(~seen, 0.0)
-                dp = dof[:, :, r0:r1] @ vf[:, :, :r1].transpose(-2, -1)
-                dlt = (dp * p).sum(-1, keepdim=True) if delta_o is None else delta_o[:, :, r0:r1]
-                ds = rnd(p * (dp - dlt))
-                dv[:, :, :r1] += rnd(p).transpose(-2, -1) @ dof[:, :, r0:r1]
-                dk[:, :, :r1] += ds.transpose(-2, -1) @ qf[:, :, r0:r1]
-                dq[:, :, r0:r1] = ds @ kf[:, :, :r1]
+            dq, dk, dv = written_out_grads(q, k, v, o, lse, do, ctx.delta, ctx.scale)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
-        return ((dq * ctx.scale).to(q.dtype), (dk * ctx.scale).to(k.dtype), dv.to(v.dtype), None)
+        return dq, dk, dv, None
+
+
+def written_out_grads(q, k, v, o, lse, do, delta: str, scale: float, chunk: int = DELTA_CHUNK):
+    """FlashWithDelta's backward as a function of the saved tensors: dQ, dK, dV in q's dtype."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf, dof = (x.to(acc) for x in (q, k, v, do))
+    t = q.shape[2]
+    dq, dk, dv = torch.empty_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+    delta_o = (dof * o.to(acc)).sum(-1, keepdim=True) if delta == "o" else None
+    rnd = lambda x: x.to(q.dtype).to(acc)
+    for r0 in range(0, t, chunk):
+        r1 = min(t, r0 + chunk)  # causal: these rows see keys [0, r1)
+        rows = torch.arange(r0, r1, device=q.device)[:, None]
+        seen = rows >= torch.arange(r1, device=q.device)[None, :]
+        s = (qf[:, :, r0:r1] @ kf[:, :, :r1].transpose(-2, -1)) * scale
+        p = torch.exp(s - lse[:, :, r0:r1, None].to(acc)).masked_fill(~seen, 0.0)
+        dp = dof[:, :, r0:r1] @ vf[:, :, :r1].transpose(-2, -1)
+        dlt = (dp * p).sum(-1, keepdim=True) if delta_o is None else delta_o[:, :, r0:r1]
+        ds = rnd(p * (dp - dlt))
+        dv[:, :, :r1] += rnd(p).transpose(-2, -1) @ dof[:, :, r0:r1]
+        dk[:, :, :r1] += ds.transpose(-2, -1) @ qf[:, :, r0:r1]
+        dq[:, :, r0:r1] = ds @ kf[:, :, :r1]
+    return (dq * scale).to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype)
 
 
 # eager under torch.compile: its backward sets the TF32 switch and loops over row chunks in Python
