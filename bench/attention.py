@@ -387,8 +387,9 @@ def plot(records, path, title=""):
     axes[1].legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    from experiments.plot_run import save_png
+
+    save_png(fig, path, dpi=130)
     print("wrote", path)
 
 

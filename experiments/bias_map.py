@@ -358,8 +358,9 @@ def plot(results, path):
     fig.suptitle("Signed-error t-statistics by cell (T = kv_len, g = gap, μ = V mean, t = ties per "
                  "tied row); grey band |t| < 4", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from experiments.plot_run import save_png
+
+    save_png(fig, path, dpi=110)
 
 
 def summary(results):

@@ -29,14 +29,33 @@ STYLES = ["-", "--", ":", "-."]
 SMOOTH = 25  # steps in the loss panel's running mean
 
 
-def save_figure(fig, out) -> Path:
-    """Lay out, write ``out`` (folders made as needed) and close ``fig``."""
-    fig.tight_layout()
+def save_png(fig, out, dpi: int = 110) -> Path:
+    """Write ``fig`` to ``out`` (folders made as needed) as a 256-colour palette PNG — line plots
+    have few colours, and the palette makes the committed figures about a third of the size
+    (every GPU call carries the repository) — and close it."""
+    import io
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png")
     plt.close(fig)
+    compact_png(buf, out)
     return out
+
+
+def compact_png(src, dest) -> None:
+    """``src`` (a path or file) re-encoded as ``save_png`` writes figures."""
+    from PIL import Image
+
+    Image.open(src).convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(
+        dest, format="png", optimize=True)
+
+
+def save_figure(fig, out) -> Path:
+    """Lay out, write ``out`` as ``save_png`` does and close ``fig``."""
+    fig.tight_layout()
+    return save_png(fig, out)
 
 
 def read_run(run_dir) -> tuple[list[dict], dict]:
