@@ -29,9 +29,10 @@ from pathlib import Path
 CONFIRM_ARMS = ("paper", "paper-stable", "fa2", "fa2-stable", "fa2-dpp", "standard")
 TWIN_ARMS = ("torch-flash-o", "torch-flash-dpp")
 # limits per execution: two `paper`/`fa2`-family executions (3,000 steps of 6 layers: 170–270 s)
-# fit a 600-s call; `standard` (about 90 ms a step) and a PyTorch-twin execution (about 132 ms a
-# step on 6 layers, its backward written out in PyTorch) take one call each
-LIMIT_S = {"standard": 400, "torch-flash-o": 450, "torch-flash-dpp": 450}
+# fit a 600-s call; `standard` (about 90 ms a step) and a PyTorch-twin execution take one call each
+# (the twin's 6-layer step takes 131-135 ms with its backward written out in PyTorch: 3,000 steps
+# and its compilation in about 430 s of the 475 s that repro_seq.sh leaves it of 520)
+LIMIT_S = {"standard": 400, "torch-flash-o": 520, "torch-flash-dpp": 520}
 DEFAULT_LIMIT_S = 295
 
 
