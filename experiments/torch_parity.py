@@ -106,10 +106,11 @@ class FlashWithDelta(torch.autograd.Function):
     dS = P∘(dP − δ) chosen: "o" = rowsum(dO∘O) with the stored O, as the kernel computes it; "dpp" =
     rowsum(dP∘P), the fix of arXiv 2510.04212 (equal to it in exact arithmetic). P is recomputed
     from L; P and dS are rounded to the inputs' dtype before their products (dV = Pᵀ·dO,
-    dK = dSᵀ·Q, dQ = dS·K), every sum in FP32; query rows go in chunks of ``DELTA_CHUNK``."""
+    dK = dSᵀ·Q, dQ = dS·K), every sum in FP32; query rows go in chunks of ``DELTA_CHUNK``.
+    ``compiled``: the backward through ``torch.compile`` (see ``compiled_written_out_grads``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, delta):
+    def forward(ctx, q, k, v, delta, compiled=False):
         if delta not in ("o", "dpp"):
             raise ValueError(f"delta must be 'o' or 'dpp', got {delta!r}")
         scale = q.shape[-1] ** -0.5
@@ -119,7 +120,7 @@ class FlashWithDelta(torch.autograd.Function):
         else:
             out, lse = _attention_rows(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.delta, ctx.scale = delta, scale
+        ctx.delta, ctx.scale, ctx.compiled = delta, scale, compiled
         return out
 
     @staticmethod
@@ -129,10 +130,11 @@ class FlashWithDelta(torch.autograd.Function):
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = True
         try:
-            dq, dk, dv = written_out_grads(q, k, v, o, lse, do, ctx.delta, ctx.scale)
+            grads = compiled_written_out_grads() if ctx.compiled else written_out_grads
+            dq, dk, dv = grads(q, k, v, o, lse, do, ctx.delta, ctx.scale)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def written_out_grads(q, k, v, o, lse, do, delta: str, scale: float, chunk: int = DELTA_CHUNK):
@@ -158,16 +160,32 @@ def written_out_grads(q, k, v, o, lse, do, delta: str, scale: float, chunk: int 
     return (dq * scale).to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype)
 
 
+_COMPILED = []
+
+
+def compiled_written_out_grads():
+    """``written_out_grads`` through ``torch.compile``, built once: the elementwise work between
+    the products fused. Inductor's ``emulate_precision_casts`` keeps every BF16 rounding of P and dS
+    (without it they are skipped inside fusions); exp, multiply-adds and row sums may still round
+    differently in the last FP32 bits (``python -m lab.twin_backward`` measures how far and how
+    fast). Opt-in: the twin's runs so far used the eager backward."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(written_out_grads, dynamic=False,
+                                       options={"emulate_precision_casts": True}))
+    return _COMPILED[0]
+
+
 # eager under torch.compile: its backward sets the TF32 switch and loops over row chunks in Python
-_flash_with_delta = torch.compiler.disable(lambda q, k, v, delta: FlashWithDelta.apply(q, k, v, delta))
+_flash_with_delta = torch.compiler.disable(
+    lambda q, k, v, delta, compiled=False: FlashWithDelta.apply(q, k, v, delta, compiled))
 
 
 class TorchAttention(nn.Module):
-    def __init__(self, d, n_head, block_size, kind):
+    def __init__(self, d, n_head, block_size, kind, compiled_backward=False):
         super().__init__()
         self.c_attn = nn.Linear(d, 3 * d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
-        self.n_head, self.kind = n_head, kind
+        self.n_head, self.kind, self.compiled_backward = n_head, kind, compiled_backward
         self.register_buffer(
             "mask", torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
         )
@@ -177,7 +195,7 @@ class TorchAttention(nn.Module):
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         if self.kind in ("flash-o", "flash-dpp"):  # FA2's forward, its backward written out
-            y = _flash_with_delta(q, k, v, self.kind.removeprefix("flash-"))
+            y = _flash_with_delta(q, k, v, self.kind.removeprefix("flash-"), self.compiled_backward)
         elif self.kind in ("sdpa", "flash"):  # "flash": SDPA's FlashAttention-2 backend (GPU)
             backend = SDPBackend.FLASH_ATTENTION if self.kind == "flash" else SDPBackend.MATH
             with sdpa_kernel([backend]):
@@ -203,10 +221,10 @@ class TorchMLP(nn.Module):
 
 
 class TorchBlock(nn.Module):
-    def __init__(self, c, kind):
+    def __init__(self, c, kind, compiled_backward=False):
         super().__init__()
         self.ln_1 = TorchLayerNorm(c["n_embd"])
-        self.attn = TorchAttention(c["n_embd"], c["n_head"], c["block_size"], kind)
+        self.attn = TorchAttention(c["n_embd"], c["n_head"], c["block_size"], kind, compiled_backward)
         self.ln_2 = TorchLayerNorm(c["n_embd"])
         self.mlp = TorchMLP(c["n_embd"])
 
@@ -216,12 +234,13 @@ class TorchBlock(nn.Module):
 
 
 class TorchGPT(nn.Module):
-    def __init__(self, c, kind="sdpa"):
+    def __init__(self, c, kind="sdpa", compiled_backward=False):
+        """``compiled_backward``: the flash-o / flash-dpp backward through ``torch.compile``."""
         super().__init__()
         self.c = c
         self.wte = nn.Embedding(c["vocab_size"], c["n_embd"])
         self.wpe = nn.Embedding(c["block_size"], c["n_embd"])
-        self.h = nn.ModuleList([TorchBlock(c, kind) for _ in range(c["n_layer"])])
+        self.h = nn.ModuleList([TorchBlock(c, kind, compiled_backward) for _ in range(c["n_layer"])])
         self.ln_f = TorchLayerNorm(c["n_embd"])
         self.lm_head = nn.Linear(c["n_embd"], c["vocab_size"], bias=False)
         self.lm_head.weight = self.wte.weight  # tied

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from experiments.torch_parity import DELTA_CHUNK, written_out_grads
+from experiments.torch_parity import DELTA_CHUNK, compiled_written_out_grads, written_out_grads
 
 
 def _inputs(shape, seed=0, device="cuda"):
@@ -69,13 +69,7 @@ def run(shape, reps=10, chunk=DELTA_CHUNK, compile_=True, deltas=("o", "dpp")) -
            "shape_bhtd": list(shape), "chunk": chunk, "reps": reps,
            "torch_version": torch.__version__, "python": platform.python_version(),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "deltas": {}}
-    compiled = None
-    if cuda and compile_:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.emulate_precision_casts = True  # keep x.to(bf16).to(fp32) a rounding
-        compiled = torch.compile(written_out_grads, dynamic=False)
-        out["inductor_emulate_precision_casts"] = True
+    compiled = compiled_written_out_grads() if (cuda and compile_) else None
     for delta in deltas:
         row = {}
         eager = lambda: written_out_grads(q, k, v, o, lse, do, delta, scale, chunk)

@@ -95,3 +95,30 @@ def test_written_out_backward_is_attentions_gradient_and_delta_is_the_only_switc
     assert not torch.equal(o_grads[0], dpp_grads[0]) and not torch.equal(o_grads[1], dpp_grads[1])
     with pytest.raises(ValueError, match="delta"):
         _delta_grads(q, k, v, do, "x")
+
+
+def test_compiled_backward_is_opt_in_and_routed_through_the_compiled_function(monkeypatch):
+    """``compiled=True`` takes the gradients from ``compiled_written_out_grads()`` (here a spy that
+    runs the eager function, so the result must be bitwise the eager one); the default never
+    calls it; a TorchGPT built with ``compiled_backward`` passes the switch to every layer."""
+    from experiments import torch_parity as TP
+
+    calls = []
+
+    def spy(*args):
+        calls.append(args[6])  # δ
+        return TP.written_out_grads(*args)
+
+    monkeypatch.setattr(TP, "compiled_written_out_grads", lambda: spy)
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn((1, 2, 40, 8), generator=g).to(torch.bfloat16) for _ in range(4))
+    eager = _delta_grads(q, k, v, do, "dpp")
+    assert calls == []
+    q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    TP.FlashWithDelta.apply(q2, k2, v2, "dpp", True).backward(do)
+    assert calls == ["dpp"]
+    for got, want in zip((q2.grad, k2.grad, v2.grad), eager):
+        assert torch.equal(got, want)
+    model = TP.TorchGPT(dict(MODEL), kind="flash-o", compiled_backward=True)
+    assert all(b.attn.compiled_backward for b in model.h)
+    assert not any(b.attn.compiled_backward for b in TP.TorchGPT(dict(MODEL), kind="flash-o").h)

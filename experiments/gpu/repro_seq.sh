@@ -17,6 +17,8 @@
 #      PyTorch twin follows model sizes, warmup and micro-batch: experiments.arms twin_args; it refuses
 #      others), kept apart under $RUNS/NAME/ and $OUT/repro-NAME/;
 #      DEADLINE=EPOCH_S (set by lanes.sh) shortens each arm's limit so that the last one ends by then.
+#      TWIN_COMPILE_BACKWARD=1 runs the twin's written-out attention backward through torch.compile
+#      (torch_train --compile-backward; off by default, as the twin's runs so far).
 #      SNAP_STEPS=3000,4000 saves L1's q, k, v, dO (one probe sequence, all heads: ~6 MiB a step) at
 #      those steps and copies them to $OUT/repro/<run>/, for experiments/real_chain.py on a CPU —
 #      mind the device's 16 MiB per returned file (lanes.sh packs everything into one).
@@ -55,7 +57,8 @@ for spec in "$@"; do
     TWIN=(); [ -n "$twin" ] && mapfile -t TWIN <<< "$twin"
     timeout "$lim" python3 -m experiments.gpu.torch_train --arm "$arm" --seed "$seed" "${TWIN[@]}" \
       --steps "$steps" --probe-every 250 --data data/full.npz --out "$RUNS" \
-      --max-seconds $((lim - 45)) >> "$RUNS/$name.log" 2>&1
+      --max-seconds $((lim - 45)) --compile-backward "${TWIN_COMPILE_BACKWARD:-0}" \
+      >> "$RUNS/$name.log" 2>&1
   else
     timeout "$lim" python3 -m experiments.reproduce run --arm "$arm" --preset "${PRESET:-small-gpu}" \
       --seed "$seed" --steps "$steps" \

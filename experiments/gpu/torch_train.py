@@ -20,7 +20,8 @@ steps). Attention: ``flash`` = SDPA's FlashAttention-2 backend (CUDA only); ``st
 nanoGPT's manual path (bf16 q·kᵀ, softmax in FP32 under autocast, P·V in bf16); ``flash-o`` and
 ``flash-dpp`` = FA2's forward kernel with its backward written out in PyTorch, δ from the stored O
 (the kernel's) or δ = rowsum(dP∘P) (``experiments.torch_parity.FlashWithDelta``; off CUDA the
-forward is computed in FP32).
+forward is computed in FP32). That backward runs eagerly, outside the compiled model, unless
+``--compile-backward 1`` puts it through ``torch.compile`` too (opt-in, recorded in config.json).
 
 Probe every ``--probe-every`` steps on the same 8 held-out windows as the JAX probe, written under
 the JAX probe's metric names (train/probes.py) so ``experiments.reproduce table`` and
@@ -134,7 +135,8 @@ def train(args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(args.seed)
-    model = TorchGPT(mc, kind=args.attn)
+    compiled_backward = bool(args.compile_backward and args.compile and device == "cuda")
+    model = TorchGPT(mc, kind=args.attn, compiled_backward=compiled_backward)
     if args.init == "jax":
         load_into_torch(model, jax_init(mc, args.seed))
     else:
@@ -159,7 +161,8 @@ def train(args) -> dict:
         "model": mc, "optim": {k: getattr(oc, k) for k in
                                ("lr", "min_lr", "warmup_steps", "decay_steps", "b1", "b2", "eps",
                                 "weight_decay", "clip")},
-        "compile": bool(args.compile and device == "cuda"), "data": args.data,
+        "compile": bool(args.compile and device == "cuda"), "compile_backward": compiled_backward,
+        "data": args.data,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
     }
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -239,6 +242,9 @@ def main(argv=None):
     ap.add_argument("--warmup-steps", type=int, default=None, help="default: the small-gpu preset's")
     ap.add_argument("--device", default=None)
     ap.add_argument("--compile", type=int, default=1)
+    ap.add_argument("--compile-backward", type=int, default=0,
+                    help="flash-o / flash-dpp: the written-out backward through torch.compile too "
+                         "(CUDA with --compile 1; off: the twin's runs so far are eager there)")
     args = ap.parse_args(argv)
     args.attn = TORCH_ARMS[args.arm]
     print(json.dumps(train(args), indent=2))
