@@ -100,6 +100,15 @@ def _attention_rows(q, k, v, scale):
     return (torch.exp(s - lse[..., None]) @ v.to(acc)).to(q.dtype), lse
 
 
+def fa2_forward(q, k, v, scale):
+    """Causal O and L as FlashWithDelta's forward saves them: SDPA's FlashAttention-2 kernel on
+    CUDA, ``_attention_rows`` elsewhere."""
+    if q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale)[:2]
+    return _attention_rows(q, k, v, scale)
+
+
 class FlashWithDelta(torch.autograd.Function):
     """Causal attention with FA2's forward (SDPA's FlashAttention-2 kernel on CUDA; the same O and L
     computed in FP32 elsewhere) and FA2's backward arithmetic written out in PyTorch, with the δ of
@@ -114,11 +123,7 @@ class FlashWithDelta(torch.autograd.Function):
         if delta not in ("o", "dpp"):
             raise ValueError(f"delta must be 'o' or 'dpp', got {delta!r}")
         scale = q.shape[-1] ** -0.5
-        if q.is_cuda:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, True, False, scale=scale)[:2]
-        else:
-            out, lse = _attention_rows(q, k, v, scale)
+        out, lse = fa2_forward(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.delta, ctx.scale, ctx.compiled = delta, scale, compiled
         return out
@@ -160,19 +165,15 @@ def written_out_grads(q, k, v, o, lse, do, delta: str, scale: float, chunk: int 
     return (dq * scale).to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype)
 
 
-_COMPILED = []
-
-
-def compiled_written_out_grads():
+@functools.cache
+def compiled_written_out_grads(emulate_precision_casts: bool = True):
     """``written_out_grads`` through ``torch.compile``, built once: the elementwise work between
     the products fused. Inductor's ``emulate_precision_casts`` keeps every BF16 rounding of P and dS
     (without it they are skipped inside fusions); exp, multiply-adds and row sums may still round
     differently in the last FP32 bits (``python -m lab.twin_backward`` measures how far and how
     fast). Opt-in: the twin's runs so far used the eager backward."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(written_out_grads, dynamic=False,
-                                       options={"emulate_precision_casts": True}))
-    return _COMPILED[0]
+    return torch.compile(written_out_grads, dynamic=False,
+                         options={"emulate_precision_casts": emulate_precision_casts})
 
 
 # eager under torch.compile: its backward sets the TF32 switch and loops over row chunks in Python

@@ -8,8 +8,8 @@ this backward eagerly, outside its compiled model, and its step takes about twic
 same model. Compiling it would fuse the elementwise work between the matrix products, but may
 round differently in the last FP32 bits (fused exp, contracted multiply-adds, reordered row sums);
 Inductor's ``emulate_precision_casts`` keeps the BF16 roundings of P and dS that the twin's
-arithmetic is about (without it, on a CPU, 43 % of dV's elements moved). This measures speed and
-distance before anything uses it. Compiles on CUDA; on a CPU it times the eager path only.
+arithmetic is about (``--no-emulate-casts`` shows what moves without it). This measures speed and
+distance before anything uses it. Compiles on CUDA; on a CPU only with ``--compile-on-cpu``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from experiments.torch_parity import DELTA_CHUNK, compiled_written_out_grads, written_out_grads
+from experiments.torch_parity import (DELTA_CHUNK, compiled_written_out_grads, fa2_forward,
+                                      written_out_grads)
 
 
 def _inputs(shape, seed=0, device="cuda"):
@@ -30,13 +31,7 @@ def _inputs(shape, seed=0, device="cuda"):
     q, k, v, do = (torch.randn((b, h, t, d), generator=g).to(device, torch.bfloat16)
                    for _ in range(4))
     scale = d ** -0.5
-    if q.is_cuda:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, True, False, scale=scale)[:2]
-    else:
-        from experiments.torch_parity import _attention_rows
-        o, lse = _attention_rows(q, k, v, scale)
-    return q, k, v, o, lse, do, scale
+    return (q, k, v, *fa2_forward(q, k, v, scale), do, scale)
 
 
 def _time(fn, reps, sync):
@@ -59,7 +54,8 @@ def _diff(got, want):
             "frac_bitwise_equal": (got == want).float().mean().item()}
 
 
-def run(shape, reps=10, chunk=DELTA_CHUNK, compile_=True, deltas=("o", "dpp")) -> dict:
+def run(shape, reps=10, chunk=DELTA_CHUNK, compile_=True, deltas=("o", "dpp"), on_cpu=False,
+        emulate_casts=True) -> dict:
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -69,7 +65,10 @@ def run(shape, reps=10, chunk=DELTA_CHUNK, compile_=True, deltas=("o", "dpp")) -
            "shape_bhtd": list(shape), "chunk": chunk, "reps": reps,
            "torch_version": torch.__version__, "python": platform.python_version(),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "deltas": {}}
-    compiled = compiled_written_out_grads() if (cuda and compile_) else None
+    compiled = None
+    if compile_ and (cuda or on_cpu):
+        compiled = compiled_written_out_grads(emulate_casts)
+        out["emulate_precision_casts"] = emulate_casts
     for delta in deltas:
         row = {}
         eager = lambda: written_out_grads(q, k, v, o, lse, do, delta, scale, chunk)
@@ -96,10 +95,14 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=DELTA_CHUNK)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--deltas", default="o,dpp", help="which δ: o, dpp or both")
+    ap.add_argument("--compile-on-cpu", action="store_true", help="compile without CUDA too")
+    ap.add_argument("--no-emulate-casts", action="store_true",
+                    help="compile without Inductor's emulate_precision_casts")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     shape = tuple(int(x) for x in a.shape.split("x"))
-    res = run(shape, a.reps, a.chunk, not a.no_compile, tuple(a.deltas.split(",")))
+    res = run(shape, a.reps, a.chunk, not a.no_compile, tuple(a.deltas.split(",")),
+              a.compile_on_cpu, not a.no_emulate_casts)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
