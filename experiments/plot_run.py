@@ -224,7 +224,8 @@ def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) ->
                 s, v = series(read_metrics(d), f"max_logit/L{layer}")
                 if horizon:
                     s, v = s[s <= horizon], v[s <= horizon]
-                color = colors[a % len(colors)]
+                # the reference arm in black, so it never shares a hue with a flash arm
+                color = "black" if arm == "standard" else colors[a % len(colors)]
                 ax.plot(s, v, STYLES[e % len(STYLES)], color=color, lw=1.3,
                         label=f"{arm}, execution {e + 1}")
                 summary = d / "summary.json"
