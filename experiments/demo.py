@@ -35,6 +35,7 @@ REPRO = Path("results/repro")
 REPRO_ROOTS = [REPRO, REPRO / "exec2", REPRO / "r1", REPRO / "r2", REPRO / "r3", REPRO / "r4"]
 REPRO_ARMS = ("fa2", "fa2-stable", "fa2-dpp", "standard")
 SEARCH_L6 = Path("results/search/l6")  # the loss-failure search with 6 layers
+CONFIRM_L6 = Path("results/confirm/l6")  # the pre-registered test of the fixes in that setting
 DEMO_ARMS = ("fa2", "fa2-stable", "fp32-control")  # trained on the CPU in part 3
 
 
@@ -140,11 +141,12 @@ def reproduction(path):
               f"({len(losses)} executions)")
     plot_executions(roots, list(REPRO_ARMS), seeds, path, horizon=4000)
     print(f"   figure: {path}")
-    return {"counts": counts, "standard_max": top, "losses": losses, "paper_l6": paper_l6()}
+    return {"counts": counts, "standard_max": top, "losses": losses, "paper_l6": paper_l6(),
+            "confirm": confirm_l6()}
 
 
 def paper_l6():
-    """The search's stage with the authors' rounding and 6 layers (results/search/l6): how many
+    """The search's stage with the authors' forward rounding and 6 layers (results/search/l6): how many
     `paper` and `standard` executions failed at the loss, from their raw metrics."""
     from experiments import search
 
@@ -159,13 +161,32 @@ def paper_l6():
                     "runaways": sum(bool(r["runaway"]) for r in mine),
                     "max_probe": [r["max_probe"] for r in mine]}
     p = out["paper"]
-    print(f"   with the authors' rounding and 6 layers (results/search/l6): {p['runaways']} of"
+    print(f"   with the authors' forward rounding and 6 layers (results/search/l6): {p['runaways']} of"
           f" {p['made']} `paper` executions ran away (≥ 10× standard attention of their seed),"
           f" {p['loss_failures']} failed at the loss by step 3,000; layer 2's max logit"
           f" {min(p['max_probe']):,.0f}–{max(p['max_probe']):,.0f}; standard attention"
           f" {out['standard']['loss_failures']} of {out['standard']['made']},"
           f" at most {max(out['standard']['max_probe'] or [float('nan')]):.1f}")
     return out
+
+
+def confirm_l6():
+    """The pre-registered test under way (results/confirm/l6): per arm, of the executions judged so
+    far (their seed's `standard` made, or ended by the divergence stop), how many ran away at its
+    endpoint — an interim count, not the design's test."""
+    from experiments import reproduce
+
+    if not CONFIRM_L6.is_dir():
+        return None
+    arms = ("paper", "paper-stable", "fa2", "fa2-stable", "fa2-dpp")
+    _, counts = reproduce.execution_cells([str(CONFIRM_L6)], arms, list(range(9, 17)), horizon=3000)
+    if not counts:
+        return None
+    parts = [f"{a} {counts[a][1]} of {counts[a][0]}" for a in arms if a in counts]
+    print("   the pre-registered test of the fixes in that setting (results/confirm, under way; an"
+          " interim count, not its test): ran away (≥ 10× standard by step 3,000, or the divergence"
+          " stop) " + ", ".join(parts))
+    return counts
 
 
 def summary(bias, training, repro):
@@ -195,12 +216,18 @@ def summary(bias, training, repro):
                   " runaway is only the paper's precursor.")
         pl = repro.get("paper_l6")
         if pl:
-            print(f" * With the authors' own rounding (6 layers) it is reliable and reaches the loss:"
+            print(f" * With the authors' forward rounding (6 layers) it is reliable and reaches the loss:"
                   f" {pl['paper']['runaways']} of {pl['paper']['made']} executions ran away,"
                   f" {pl['paper']['loss_failures']} of {pl['paper']['made']} failed at the"
                   f" loss, standard attention {pl['standard']['loss_failures']} of"
                   f" {pl['standard']['made']} (docs/REPRODUCTION.md says how strongly each claim is"
                   " supported).")
+        cf = repro.get("confirm")
+        if cf and "paper-stable" in cf:
+            n, k, _ = cf["paper-stable"]
+            print(f" * The paper's fix in those numerics, so far: the stable shift ran away in {k} of"
+                  f" {n} executions judged, `paper` without it in {cf.get('paper', (0, 0))[1]} of"
+                  f" {cf.get('paper', (0, 0))[0]} (a pre-registered design under way, results/confirm).")
 
 
 
