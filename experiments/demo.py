@@ -146,8 +146,8 @@ def reproduction(path):
 
 
 def paper_l6():
-    """The search's stage with the authors' forward rounding and 6 layers (results/search/l6): how many
-    `paper` and `standard` executions failed at the loss, from their raw metrics."""
+    """The search's stage with the authors' forward rounding and 6 layers (results/search/l6): how
+    many `paper` and `standard` executions failed at the loss, from their raw metrics."""
     from experiments import search
 
     runs = sorted(d for d in SEARCH_L6.glob("*-s*") if d.name.split("-s")[0] in ("paper", "standard"))
@@ -161,8 +161,8 @@ def paper_l6():
                     "runaways": sum(bool(r["runaway"]) for r in mine),
                     "max_probe": [r["max_probe"] for r in mine]}
     p = out["paper"]
-    print(f"   with the authors' forward rounding and 6 layers (results/search/l6): {p['runaways']} of"
-          f" {p['made']} `paper` executions ran away (≥ 10× standard attention of their seed),"
+    print(f"   with the authors' forward rounding and 6 layers (results/search/l6):"
+          f" {p['runaways']} of {p['made']} `paper` executions ran away (≥ 10× standard attention of their seed),"
           f" {p['loss_failures']} failed at the loss by step 3,000; layer 2's max logit"
           f" {min(p['max_probe']):,.0f}–{max(p['max_probe']):,.0f}; standard attention"
           f" {out['standard']['loss_failures']} of {out['standard']['made']},"
@@ -184,8 +184,8 @@ def confirm_l6():
         return None
     parts = [f"{a} {counts[a][1]} of {counts[a][0]}" for a in arms if a in counts]
     print("   the pre-registered test of the fixes in that setting (results/confirm, under way; an"
-          " interim count, not its test): ran away (≥ 10× standard by step 3,000, or the divergence"
-          " stop) " + ", ".join(parts))
+          " interim count, not its test): ran away (≥ 10× standard by step 3,000, or the"
+          " divergence stop) " + ", ".join(parts))
     return counts
 
 
@@ -216,8 +216,8 @@ def summary(bias, training, repro):
                   " runaway is only the paper's precursor.")
         pl = repro.get("paper_l6")
         if pl:
-            print(f" * With the authors' forward rounding (6 layers) it is reliable and reaches the loss:"
-                  f" {pl['paper']['runaways']} of {pl['paper']['made']} executions ran away,"
+            print(" * With the authors' forward rounding (6 layers) it is reliable and reaches the"
+                  f" loss: {pl['paper']['runaways']} of {pl['paper']['made']} executions ran away,"
                   f" {pl['paper']['loss_failures']} of {pl['paper']['made']} failed at the"
                   f" loss, standard attention {pl['standard']['loss_failures']} of"
                   f" {pl['standard']['made']} (docs/REPRODUCTION.md says how strongly each claim is"
