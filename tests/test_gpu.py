@@ -6,6 +6,7 @@ entry's launch compute what the jnp executor computes for the same arguments —
 function of the call, the launch only of the machine.
 """
 
+import dataclasses
 import json
 
 import chex
@@ -162,6 +163,20 @@ def test_gpu_candidate_launches_change_no_value(name, call, launch):
     terms = abs_terms(q, k, v, do, True, d ** -0.5)
     for what, a, b, t in zip(("O", "dQ", "dK", "dV"), base, cand, terms):
         assert_same_numerics(f"{name} {what}", a, b, t, min_within_ulp=0.0)
+
+
+@pytest.mark.parametrize("shape", [(2, 2048, 8, 128), (4, 1024, 4, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_dq_pingpong_changes_no_bit(shape):
+    """``Launch.mosaic_dq_pingpong`` changes only when the dQ kernel's two compute warpgroups use the
+    tensor cores: O and every gradient bitwise the Mosaic backward's without it, causal, stable."""
+    q, k, v = tied_qkv(3, shape)
+    do = randn(4, shape)
+    kw = dict(causal=True, stable=True, impl="pallas")
+    base = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic")
+    ping = dataclasses.replace(base, mosaic_dq_pingpong=True)
+    chex.assert_trees_all_equal(run(q, k, v, do, launch=ping, **kw),
+                                run(q, k, v, do, launch=base, **kw))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
