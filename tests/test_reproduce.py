@@ -2,6 +2,7 @@
 experiments/gpu/repro_seq.sh chains 10-minute GPU commands), and the table over runs."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,3 +224,33 @@ def test_execution_cells_count_a_diverged_execution_on_both_endpoints(tmp_path):
     md = (tmp_path / "x.md").read_text()
     assert "**30.0** at 2,500, diverged at 2,593" in md
     assert "≥ 10× standard by 3,000: paper 1 of 1 vs standard 0 of 1" in md
+
+
+RP, CF = "results/repro", "results/confirm/l6"
+COUNT_TABLES = {  # each committed count table and the command its index gives for it
+    f"{RP}/executions.md": [RP, f"{RP}/exec2", f"{RP}/r1", f"{RP}/r2", f"{RP}/r3", f"{RP}/r4",
+                           "--compare", "fa2,fa2-stable:fa2-dpp", "--compare", "fa2:fa2-stable",
+                           "--compare", "fa2:standard"],
+    f"{RP}/replicates.md": [f"{RP}/r1", f"{RP}/r2", f"{RP}/r3", f"{RP}/r4", "--seeds", "1",
+                           "--control-from", RP, "--compare", "fa2,fa2-stable:fa2-dpp",
+                           "--compare", "fa2:fa2-stable"],
+    f"{RP}/design2_count.md": [f"{RP}/r1", f"{RP}/r2", f"{RP}/r3", "--arms", "fa2,standard",
+                              "--seeds", "0,2", "--control-from", RP],
+    "results/confirm/l6_count.md": [CF, "--arms", "paper,paper-stable,fa2,fa2-stable,fa2-dpp,standard",
+                                    "--seeds", "9,10,11,12,13,14,15,16", "--horizon", "3000",
+                                    "--compare", "paper:paper-stable", "--compare", "fa2:fa2-stable",
+                                    "--compare", "fa2:fa2-dpp"],
+    "results/confirm/l6_twin_count.md": [CF, "--arms", "torch-flash-o,torch-flash-dpp,standard",
+                                         "--seeds", "9,10,11,12", "--horizon", "3000",
+                                         "--compare", "torch-flash-o:torch-flash-dpp"],
+}
+
+
+@pytest.mark.parametrize("table", sorted(COUNT_TABLES))
+def test_committed_count_tables_are_what_their_command_writes(table, tmp_path, capsys):
+    """Every committed count table equals what its command writes from the raw metrics now: a
+    table left behind when executions land (or a count edited by hand) fails here."""
+    out = tmp_path / "table.md"
+    R.main(["executions", *COUNT_TABLES[table], "--md", str(out)])
+    capsys.readouterr()
+    assert out.read_text() == Path(table).read_text(), f"regenerate {table} (results INDEX)"
