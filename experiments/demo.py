@@ -35,7 +35,6 @@ REPRO = Path("results/repro")
 REPRO_ROOTS = [REPRO, REPRO / "exec2", REPRO / "r1", REPRO / "r2", REPRO / "r3", REPRO / "r4"]
 REPRO_ARMS = ("fa2", "fa2-stable", "fa2-dpp", "standard")
 SEARCH_L6 = Path("results/search/l6")  # the loss-failure search with 6 layers
-CONFIRM_L6 = Path("results/confirm/l6")  # the pre-registered test of the fixes in that setting
 DEMO_ARMS = ("fa2", "fa2-stable", "fp32-control")  # trained on the CPU in part 3
 
 
@@ -162,7 +161,8 @@ def paper_l6():
                     "max_probe": [r["max_probe"] for r in mine]}
     p = out["paper"]
     print(f"   with the authors' forward rounding and 6 layers (results/search/l6):"
-          f" {p['runaways']} of {p['made']} `paper` executions ran away (≥ 10× standard attention of their seed),"
+          f" {p['runaways']} of {p['made']} `paper` executions ran away (≥ 10× standard attention"
+          " of their seed),"
           f" {p['loss_failures']} failed at the loss by step 3,000; layer 2's max logit"
           f" {min(p['max_probe']):,.0f}–{max(p['max_probe']):,.0f}; standard attention"
           f" {out['standard']['loss_failures']} of {out['standard']['made']},"
@@ -174,12 +174,14 @@ def confirm_l6():
     """The pre-registered test under way (results/confirm/l6): per arm, of the executions judged so
     far (their seed's `standard` made, or ended by the divergence stop), how many ran away at its
     endpoint — an interim count, not the design's test."""
-    from experiments import reproduce
+    from experiments import queue, reproduce
 
-    if not CONFIRM_L6.is_dir():
+    q = queue.get("confirm")
+    if not Path(q.root).is_dir():
         return None
-    arms = ("paper", "paper-stable", "fa2", "fa2-stable", "fa2-dpp")
-    _, counts = reproduce.execution_cells([str(CONFIRM_L6)], arms, list(range(9, 17)), horizon=3000)
+    arms = tuple(a for a in queue.CONFIRM_ARMS if a != "standard")
+    seeds = sorted({seed for _, seed, _, _ in q.items})
+    _, counts = reproduce.execution_cells([q.root], arms, seeds, horizon=3000)
     if not counts:
         return None
     parts = [f"{a} {counts[a][1]} of {counts[a][0]}" for a in arms if a in counts]
@@ -225,9 +227,10 @@ def summary(bias, training, repro):
         cf = repro.get("confirm")
         if cf and "paper-stable" in cf:
             n, k, _ = cf["paper-stable"]
+            pn, pk, _ = cf.get("paper", (0, 0, 0))
             print(f" * The paper's fix in those numerics, so far: the stable shift ran away in {k} of"
-                  f" {n} executions judged, `paper` without it in {cf.get('paper', (0, 0))[1]} of"
-                  f" {cf.get('paper', (0, 0))[0]} (a pre-registered design under way, results/confirm).")
+                  f" {n} executions judged, `paper` without it in {pk} of {pn} (a pre-registered"
+                  " design under way, results/confirm).")
 
 
 

@@ -439,8 +439,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                             cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
             if pingpong:  # dS done: the tensor cores are the other's turn, then this one's dS·K
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(turn)
+                take_turn()
             if not interpret:  # dS from registers, dQ as the accumulator
 
                 def dsk(acc_ref):
