@@ -463,6 +463,28 @@ def profile_dir(args, arm: str) -> str:
     return str(Path(args.profile) / safe)
 
 
+def regroup(result: dict, root: str) -> list[dict]:
+    """The profiles of a results file with their families computed again (``lab.trace_split`` as it
+    is now) from the trace and HLO each left in ``root``/<its folder's name> — or in ``root`` itself
+    when one arm was profiled. A profile whose files are not there raises."""
+    from lab import trace_split
+
+    out = []
+    for p in result.get("profiles") or ([result["profile"]] if result.get("profile") else []):
+        if "families_ms" not in p:
+            continue
+        d = Path(root) / Path(p["dir"]).name
+        d = d if (d / "trace.json.gz").is_file() else Path(root)
+        trace, hlo = d / "trace.json.gz", d / "hlo.txt.gz"
+        if not (trace.is_file() and hlo.is_file()):
+            raise FileNotFoundError(f"no trace.json.gz and hlo.txt.gz of {p['arm']!r} in {d}")
+        index = trace_split.HloIndex(gzip.decompress(hlo.read_bytes()).decode())
+        res = trace_split.families(trace_split.load_trace(str(trace)), index, steps=p["steps"],
+                                   vocab=result["model"]["vocab_size"])
+        out.append({"arm": p["arm"], "batch": p["batch"], **res})
+    return out
+
+
 def compare_profiles(profiles: list[dict], device: str | None = None) -> str:
     """Kernel time per op family (ms per step) of several profiled arms side by side, with each
     arm's difference from the first."""
@@ -550,6 +572,9 @@ def main(argv=None):
                     help="last lines of each run's log to print (of a failed run's: at least 200)")
     ap.add_argument("--out", default="train_step.json")
     ap.add_argument("--from-json", default=None, metavar="FILE", help="print FILE's table (no GPU)")
+    ap.add_argument("--regroup", default=None, metavar="DIR",
+                    help="with --from-json: group FILE's profiled arms again from the traces and HLO "
+                         "saved under DIR (its --profile folder) and print them side by side")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -557,7 +582,11 @@ def main(argv=None):
         Path(spec["result"]).write_text(json.dumps(jax_worker(spec), indent=1))
         return None
     if args.from_json:
-        print(markdown(json.loads(Path(args.from_json).read_text())), end="")
+        result = json.loads(Path(args.from_json).read_text())
+        if args.regroup:
+            print(compare_profiles(regroup(result, args.regroup), result.get("device")), end="")
+        else:
+            print(markdown(result), end="")
         return None
     args.argv = argv
     args.arms = [a for a in args.arms.split(",") if a]

@@ -161,10 +161,13 @@ FAMILIES = {  # key -> label, in table order
     "other": "other",
 }
 
-# Kernel names that say what they are without the HLO: our kernels (jax_flash_*), cuDNN's attention
-# (…sdpa…flash_fprop/bprop…, fmha), cuBLAS / CUTLASS GEMMs (nvjet_*, *xmma_gemm*, cutlass*), CUDA copies.
+# Kernel names that say what they are without the HLO: our kernels (jax_flash_*, model_layernorm_*),
+# cuDNN's attention (…sdpa…flash_fprop/bprop…, fmha), cuBLAS / CUTLASS GEMMs (nvjet_*, *xmma_gemm*,
+# cutlass*), CUDA copies.
 _ATTENTION_NAME = re.compile(r"jax_flash|fmha|sdpa|flash_[fb]prop")
 _GEMM_NAME = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul")
+# the Pallas LayerNorm kernels of models/layernorm.py (custom calls: no fusion of their own to read)
+_LAYERNORM_NAME = re.compile(r"model_layernorm")
 _COPY_NAME = re.compile(r"memcpy|memset|^(wrapped_)?(copy|transpose)")
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul")
 # Ops that only move, lay out or cast data: a fusion of nothing else is a copy (the bf16 copies of the
@@ -372,6 +375,8 @@ def classify(kernel: str, info: dict | None, vocab: int | None = None) -> tuple[
     k = kernel.lower()
     if _ATTENTION_NAME.search(k):
         return "attention", "kernel name"
+    if _LAYERNORM_NAME.search(k):
+        return "layernorm", "kernel name"
     if info is None:
         if _GEMM_NAME.search(k):
             return "matmul", "kernel name"

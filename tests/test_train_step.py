@@ -634,6 +634,7 @@ KERNELS = [
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x64x128", None, 50.0,
      "attention", "kernel name only", "kernel name"),
     ("mystery_kernel", None, 1.0, "other", "kernel name only", "no HLO op"),
+    ("model_layernorm_bwd__1", None, 13.0, "layernorm", "kernel name only", "kernel name"),
 ]
 
 
@@ -713,7 +714,8 @@ def test_families_by_kernel_name_alone():
     by_name = {"attention": {"jax_flash_fwd_triton_kernel", "cudnn_generated_fort_native_sdpa_sm90_"
                              "flash_bprop_wgmma_f16_knob_3_64x64x128"},
                "matmul": {"nvjet_tst_128x64_64x4_1x2_h_bz_TNT", "gemm_fusion_dot_2"},
-               "copy": {"wrapped_transpose", "copy_4", "MemcpyDtoD"}}
+               "copy": {"wrapped_transpose", "copy_4", "MemcpyDtoD"},
+               "layernorm": {"model_layernorm_bwd__1"}}
     dur = {name: d / 1e3 for name, _, d, *_ in KERNELS}
     for fam, names in by_name.items():
         assert res["families_ms"][fam] == pytest.approx(sum(dur[n] for n in names)), fam
@@ -733,3 +735,32 @@ def test_xla_cpu_ops_count_once():
                                              "ts": 31.0, "dur": 0.5}]
     kept, foreign = tsp.kernel_events(ev)
     assert sorted(e["name"] for e in kept) == ["fusion.1", "fusion.2", "fusion.3"] and foreign == 0
+
+
+def test_regroup_computes_a_results_files_profiles_again_from_their_traces(tmp_path, capsys):
+    """``--from-json FILE --regroup DIR``: each profiled arm's families from the trace and HLO saved
+    in DIR/<its folder>, not the numbers the file holds; a profile without its files raises."""
+    stale = {"total_ms": 1.0, "families_ms": {k: 0.0 for k in tsp.FAMILIES}, "steps": 2}
+    result = {"device": "H", "model": {"vocab_size": 96},
+              "profiles": [{"arm": "a", "batch": 4, "dir": "/remote/profile/a", **stale},
+                           {"arm": "b[x=1]", "batch": 4, "dir": "/remote/profile/b_x=1_", **stale}]}
+    for sub in ("a", "b_x=1_"):
+        d = tmp_path / sub
+        d.mkdir()
+        (d / "trace.json.gz").write_bytes(gzip.compress(json.dumps(
+            {"traceEvents": _gpu_trace(steps=2)}).encode()))
+        (d / "hlo.txt.gz").write_bytes(gzip.compress(HLO.encode()))
+    want = tsp.families(_gpu_trace(steps=2), tsp.HloIndex(HLO), steps=2, vocab=96)
+    got = ts.regroup(result, str(tmp_path))
+    assert [p["arm"] for p in got] == ["a", "b[x=1]"]
+    for p in got:
+        assert p["families_ms"] == pytest.approx(want["families_ms"])
+        assert p["families_ms"]["layernorm"] > 0
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(result))
+    ts.main(["--from-json", str(src), "--regroup", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert f"| layer norms | {want['families_ms']['layernorm']:.2f} | " in out and "`b[x=1]` (Δ)" in out
+    (tmp_path / "a" / "hlo.txt.gz").unlink()
+    with pytest.raises(FileNotFoundError, match="'a'"):
+        ts.regroup(result, str(tmp_path))
