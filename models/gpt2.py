@@ -115,7 +115,7 @@ class GPTConfig:
     recompute_gelu: bool = False
     # the GELU keeps only its bf16 input for the backward, whose own pass recomputes the FP32
     # intermediates and applies the cotangent (a custom VJP around autodiff's own operations, so
-    # bit-identical; no remat barrier between the recomputation and its use)
+    # bit-identical; only the input passes an optimization barrier, not the recomputation's result)
     gelu_from_input: bool = False
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
     # kernel per pass (models/layernorm.py), its FP32 sums in another order: last bits differ
@@ -379,6 +379,8 @@ def _gelu_fwd(h):
 
 
 def _gelu_bwd(h, g):
+    # without the barrier XLA merges this recomputation with the forward's and stores its FP32 erfc
+    h = jax.lax.optimization_barrier(h)
     return jax.vjp(_gelu, h)[1](g)
 
 

@@ -384,6 +384,18 @@ def test_gelu_from_input_changes_no_bit_and_saves_only_the_input():
     assert len(auto) == 3 and all(x.dtype == jnp.float32 for x in auto)
     with pytest.raises(ValueError, match="set one"):
         dataclasses.replace(cfg, gelu_from_input=True, recompute_gelu=True)
+    # the backward's erfc is computed from the input behind an optimization barrier, so the compiler
+    # cannot take the forward's (and keep it in FP32 until the backward) instead of recomputing it
+    grad = jax.make_jaxpr(jax.grad(lambda h: gpt2.gelu_from_input(h).astype(jnp.float32).sum()))(h)
+    eqns = grad.jaxpr.eqns
+    barrier = [i for i, e in enumerate(eqns) if e.primitive.name == "optimization_barrier"]
+    erfc = [i for i, e in enumerate(eqns) if e.primitive.name == "erfc"]
+    assert len(barrier) == 1 and len(erfc) == 2 and erfc[0] < barrier[0] < erfc[1]
+    behind = set(eqns[barrier[0]].outvars)
+    for e in eqns[barrier[0] + 1:erfc[1] + 1]:
+        if behind & {v for v in e.invars if type(v).__name__ == "Var"}:
+            behind |= set(e.outvars)
+    assert behind & {v for v in eqns[erfc[1]].invars if type(v).__name__ == "Var"}
 
 
 def test_recompute_gelu_changes_no_bit():
