@@ -355,7 +355,7 @@ def jax_fwd_bwd(graphdef_params, x, y):
         return cross_entropy(logits, y), (logits, [c["resid"] for c in caps])
 
     (loss, (logits, blocks)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
-    return float(loss), np.asarray(logits), [np.asarray(b) for b in blocks], flatten(grads)
+    return float(loss), np.asarray(logits, np.float32), [np.asarray(b) for b in blocks], flatten(grads)
 
 
 def torch_fwd_bwd(tm: TorchGPT, x, y, autocast: bool = False):

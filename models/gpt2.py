@@ -10,7 +10,8 @@ matmul runs in ``GPTConfig.dtype`` (default bfloat16) with bf16 outputs; LayerNo
 FP32; the residual stream stays FP32 (embeddings are FP32 and branch outputs are added to it, as
 autocast does); the tied LM head multiplies bf16 operands with FP32 accumulation and FP32 output, so
 logits and the cross-entropy are FP32 (nanoGPT's head outputs bf16 logits, and so gets a bf16
-gradient of them; ``logits_dtype="bfloat16"`` does the same).
+gradient of them; ``logits_dtype="bfloat16"`` does the same: the model returns bf16 logits, and
+``cross_entropy`` computes in FP32 from them).
 
 Q, K and V are separate ``nnx.Linear`` layers per block (``attn.wq``, ``attn.wk``, ``attn.wv``), each
 with kernel shape ``[n_embd, n_embd]`` (input, output). Head ``h`` of W_Q is
@@ -32,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 ATTENTION_KINDS = ("standard", "flash", "cudnn", "xla")  # built in; register_attention adds more
@@ -476,10 +478,9 @@ class GPT(nnx.Module):
 
 
 def _head_logits(x, w, out_dt):
-    """The tied head: ``x`` [b, t, d] times ``w`` [vocab, d] in the compute dtype, FP32 logits."""
-    return jnp.einsum("btd,vd->btv", x, w,
-                      preferred_element_type=jnp.float32 if out_dt == jnp.float32 else out_dt
-                      ).astype(jnp.float32)
+    """The tied head: ``x`` [b, t, d] times ``w`` [vocab, d] in the compute dtype, logits in
+    ``out_dt`` (FP32 accumulation either way)."""
+    return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=out_dt)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -506,11 +507,39 @@ _head_rounded_grad.defvjp(_head_rounded_grad_fwd, _head_rounded_grad_bwd)
 
 
 def cross_entropy(logits, targets):
-    """Mean token cross-entropy in FP32."""
-    logits = logits.astype(jnp.float32)
+    """Mean token cross-entropy in FP32, of FP32 or lower-precision logits.
+
+    Lower-precision logits (``logits_dtype="bfloat16"``) are kept as they are for the backward, with
+    each row's max and sum of exponentials; the backward recomputes the exponentials in the pass that
+    writes the gradient. Autodiff of the FP32 loss would store an FP32 copy of the logits and their
+    FP32 exponentials, each 200 KB a token at GPT-2's vocabulary. The operations are autodiff's, so
+    loss and gradient are its values (tests/test_model.py checks them bit for bit on the device the
+    tests run on).
+    """
+    targets = targets.astype(jnp.int32)
+    if logits.dtype != jnp.float32:
+        return _cross_entropy_low_precision(logits, targets)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(lse - tgt)
+
+
+def _cross_entropy_rows(logits, targets):
+    """The FP32 branch's operations (those of ``jax.nn.logsumexp``) on the logits upcast, with the
+    two row statistics named for ``jax.checkpoint``."""
+    x = logits.astype(jnp.float32)
+    amax = jnp.max(x, axis=-1, keepdims=True)
+    amax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(amax), amax, jnp.zeros_like(amax)))
+    amax = checkpoint_name(amax, "ce_row_max")
+    sumexp = checkpoint_name(jnp.sum(jnp.exp(x - amax), axis=-1, keepdims=True), "ce_row_sumexp")
+    lse = (jnp.log(jnp.abs(sumexp)) + amax)[..., 0]
+    tgt = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - tgt)
+
+
+_cross_entropy_low_precision = jax.checkpoint(
+    _cross_entropy_rows,
+    policy=jax.checkpoint_policies.save_only_these_names("ce_row_max", "ce_row_sumexp"))
 
 
 def per_head_weights(params: dict, layer: int, n_head: int, which: str = "wq"):

@@ -299,15 +299,56 @@ def test_bf16_logits_option_rounds_like_autocast():
     logits = nnx.jit(lambda m: m(idx))
     f32 = logits(GPT(cfg, rngs=nnx.Rngs(0)))
     b16 = logits(GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0)))
-    assert f32.dtype == b16.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(b16), np.asarray(f32.astype(jnp.bfloat16), np.float32))
-    assert np.any(np.asarray(b16) != np.asarray(f32))
+    assert f32.dtype == jnp.float32 and b16.dtype == jnp.bfloat16
+    chex.assert_trees_all_equal(b16, f32.astype(jnp.bfloat16))
+    assert np.any(np.asarray(b16, np.float32) != np.asarray(f32))
     # backward: the head's GEMMs take the logits' gradient in bf16 (autocast's), so under the
     # option the head's weight gradient is that of the bf16-rounded logit gradient
     m16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))
     _, g16 = nnx.jit(nnx.value_and_grad(loss))(m16)
     assert g16.wte.embedding[...].dtype == jnp.float32
     assert np.any(np.asarray(g16.wte.embedding[...]) != np.asarray(g32.wte.embedding[...]))
+
+
+def _fp32_cross_entropy_of_upcast(logits, targets):
+    """Autodiff's cross-entropy of low-precision logits as the model computed it before: upcast to
+    FP32, then ``jax.nn.logsumexp`` minus the target's logit."""
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0])
+
+
+def test_cross_entropy_of_bf16_logits_is_autodiffs_and_keeps_no_fp32_copy():
+    """cross_entropy of bf16 logits: loss and gradient bit-identical to autodiff's of the upcast
+    logits (eager and compiled, and through the model's ``logits_dtype="bfloat16"``); for its
+    backward it keeps the bf16 logits and two FP32 numbers a row, where autodiff keeps an FP32 array
+    of the logits' shape."""
+    import dataclasses
+
+    k1, k2 = jax.random.split(jax.random.key(3))
+    logits = (4.0 * jax.random.normal(k1, (3, 40, 1000))).astype(jnp.bfloat16)
+    targets = jax.random.randint(k2, (3, 40), 0, 1000)
+    for wrap in (lambda f: f, jax.jit):
+        got = wrap(jax.value_and_grad(cross_entropy))(logits, targets)
+        want = wrap(jax.value_and_grad(_fp32_cross_entropy_of_upcast))(logits, targets)
+        chex.assert_trees_all_equal(got, want)
+        chex.assert_trees_all_equal_dtypes(got[1], logits)
+
+    def kept(f):
+        vjp = jax.vjp(lambda x: f(x, targets), logits)[1]
+        return [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "dtype")]
+
+    assert (logits.shape, jnp.float32) in kept(_fp32_cross_entropy_of_upcast)
+    assert sorted(kept(cross_entropy), key=str) == sorted(
+        [(logits.shape, jnp.bfloat16), ((3, 40, 1), jnp.float32), ((3, 40, 1), jnp.float32),
+         (targets.shape, jnp.int32)], key=str)
+
+    # in the model: what the bf16-logits option computed with the upcast inside the model
+    cfg, idx, loss, _ = _one_layer_baseline()
+    m16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    upcast = lambda m: _fp32_cross_entropy_of_upcast(m(idx), idx)
+    chex.assert_trees_all_equal(nnx.jit(nnx.value_and_grad(loss))(m16),
+                                nnx.jit(nnx.value_and_grad(upcast))(m16))
 
 
 def test_head_grad_option_rounds_only_the_logits_gradient(rng):
