@@ -122,6 +122,11 @@ class GPTConfig:
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
     # kernel per pass (models/layernorm.py), its FP32 sums in another order: last bits differ
     layernorm: str = "xla"
+    # Q, K and V from one GEMM on the three kernels side by side (the parameters stay three): the
+    # forward is one [n_embd, 3·n_embd] product and the backward's input gradient one product over
+    # 3·n_embd, summed in FP32 before one rounding where three bf16 products were added. Last bits
+    # of the input gradient differ, so it is a named option
+    fused_qkv: bool = False
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
     # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
@@ -142,7 +147,7 @@ class GPTConfig:
                 ok = False
             if not ok:
                 raise choice_error(name, getattr(self, name), DTYPES)
-        for name in ("recompute_gelu", "gelu_from_input"):
+        for name in ("recompute_gelu", "gelu_from_input", "fused_qkv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.recompute_gelu and self.gelu_from_input:
@@ -316,13 +321,20 @@ class CausalSelfAttention(nnx.Module):
         self.wo = mk(res_init)
         self.n_head = cfg.n_head
         self.groups = cfg.head_groups(layer)  # static: part of the graphdef
+        self.fused_qkv = cfg.fused_qkv
+
+    def qkv(self, x):
+        """Q, K and V of ``x`` [batch, seq, n_embd], each [batch, seq, n_embd] in the compute dtype."""
+        if self.fused_qkv:
+            dt = self.wq.dtype
+            w = jnp.concatenate([m.kernel[...].astype(dt) for m in (self.wq, self.wk, self.wv)], 1)
+            return tuple(jnp.split(jnp.dot(x.astype(dt), w), 3, axis=-1))
+        return self.wq(x), self.wk(x), self.wv(x)
 
     def __call__(self, x, capture: dict | None = None):
         b, t, d = x.shape
         shape = (b, t, self.n_head, d // self.n_head)
-        q = self.wq(x).reshape(shape)
-        k = self.wk(x).reshape(shape)
-        v = self.wv(x).reshape(shape)
+        q, k, v = (a.reshape(shape) for a in self.qkv(x))
         if capture is not None:
             capture.update(q=q, k=k, v=v)
         outs = [

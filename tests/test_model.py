@@ -458,6 +458,45 @@ def test_recompute_gelu_changes_no_bit():
     assert remats(opt) == cfg.n_layer
 
 
+def test_fused_qkv_option_changes_only_the_rounding_of_the_input_gradient(rng):
+    """model.fused_qkv: Q, K and V from one GEMM on the three kernels side by side. Forward and the
+    kernels' gradients are each the same dot products (here bit-identical for the forward; a GPU's
+    GEMM for the wider product may sum in another order); the input gradient is one product over
+    3·n_embd rounded once to bf16, where the default rounds three products to bf16 and adds them
+    in bf16. Each of those (at most) five roundings is within u = 2^-8 of its value, so the two
+    differ by at most 4u·M (M = Σ |dQ|·|W_Q|ᵀ over Q, K, V) plus FP32 accumulation terms."""
+    import dataclasses
+
+    d = 64
+    cfg = small_cfg(n_embd=d, n_head=4)
+    x = jnp.asarray(rng.standard_normal((2, 32, d)), jnp.bfloat16)
+    cts = tuple(jnp.asarray(rng.standard_normal((2, 32, d)), jnp.bfloat16) for _ in range(3))
+
+    def run(c):
+        graph, params = nnx.split(gpt2.CausalSelfAttention(c, 0, rngs=nnx.Rngs(0)))
+        out, vjp = jax.vjp(lambda p, x: nnx.merge(graph, p).qkv(x), params, x)
+        return out, vjp(cts), params
+
+    want, (dp_want, dx_want), params = run(cfg)
+    got, (dp_got, dx_got), _ = run(dataclasses.replace(cfg, fused_qkv=True))
+    chex.assert_trees_all_equal(got, want)
+    u, acc = 2.0 ** -8, 2 * 3 * d * 2.0 ** -24
+    w = [np.abs(np.asarray(params[n]["kernel"][...].astype(jnp.bfloat16), np.float32))
+         for n in ("wq", "wk", "wv")]
+    m = sum(np.abs(np.asarray(c, np.float32)) @ wn.T for c, wn in zip(cts, w))
+    diff = np.abs(np.asarray(dx_got, np.float32) - np.asarray(dx_want, np.float32))
+    assert np.all(diff <= (4 * u + acc) * m)
+    assert np.any(diff > 0)  # the option does change the input gradient's last bits here
+    # each kernel's gradient: the same product x^T·dQ, rounded to bf16 once either way
+    xs = np.abs(np.asarray(x, np.float32)).reshape(-1, d)
+    for name, c in zip(("wq", "wk", "wv"), cts):
+        mw = xs.T @ np.abs(np.asarray(c, np.float32)).reshape(-1, d)
+        dw = np.abs(np.asarray(dp_got[name]["kernel"][...]) - np.asarray(dp_want[name]["kernel"][...]))
+        assert np.all(dw <= 2 * (u + 64 * 2.0 ** -24) * mw), name
+    with pytest.raises(ValueError, match="fused_qkv must be true or false"):
+        dataclasses.replace(cfg, fused_qkv="yes")
+
+
 def test_layer_norm_keeps_digits_when_features_share_a_large_offset(rng):
     # torch.nn.LayerNorm's two-pass variance; the one-pass E[x²] − E[x]² is off by ~1e-3 at offset 100
     d = 768
