@@ -11,8 +11,8 @@
 #      STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as profile-compare.md and
 #      profile.tgz);
 #      K selects GPU tests (pytest -k).
-# `step` alone writes 6 files: env.txt, train_step.{json,log}, profile/{profile.md,trace.json.gz,
-# hlo.txt.gz}; it needs nanoGPT's model.py carried in third_party/nanoGPT (`make nanogpt`).
+# `step` alone writes 4 files: env.txt, train_step.{json,log}, profile.tgz (profile/: profile.md,
+# trace.json.gz, hlo.txt.gz); it needs nanoGPT's model.py carried in third_party/nanoGPT (`make nanogpt`).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -50,10 +50,13 @@ if [[ " $parts " == *" step "* ]]; then
     --budget "${STEP_BUDGET:-520}" \
     --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "train step: exit $r"; tail -14 "$OUT/train_step.log"
-  if [ -f "$OUT/profile/compare.md" ]; then  # several arms profiled: one table and one archive back
+  # the profiles come back as one archive (a call returns at most 8 files); their tables are printed
+  if [ -f "$OUT/profile/compare.md" ]; then
     cp "$OUT/profile/compare.md" "$OUT/profile-compare.md"; cat "$OUT/profile-compare.md"
-    tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
+  elif [ -f "$OUT/profile/profile.md" ]; then
+    sed -n '1,16p' "$OUT/profile/profile.md"
   fi
+  [ -d "$OUT/profile" ] && tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
 fi
 if [[ " $parts " == *" dropin "* ]]; then
   # jax_flash.dot_product_attention beside cuDNN and XLA (GQA, a window, its causal baseline),

@@ -319,12 +319,10 @@ def _fp32_cross_entropy_of_upcast(logits, targets):
 
 
 def test_cross_entropy_of_bf16_logits_is_autodiffs_and_keeps_no_fp32_copy():
-    """cross_entropy of bf16 logits: loss and gradient bit-identical to autodiff's of the upcast
-    logits (eager and compiled, and through the model's ``logits_dtype="bfloat16"``); for its
-    backward it keeps the bf16 logits and two FP32 numbers a row, where autodiff keeps an FP32 array
-    of the logits' shape."""
-    import dataclasses
-
+    """cross_entropy of bf16 logits (the model's under ``logits_dtype="bfloat16"``): loss and
+    gradient bit-identical to autodiff's of the upcast logits, eager and compiled; for its backward
+    it keeps the bf16 logits and two FP32 numbers a row, where autodiff keeps an FP32 array of the
+    logits' shape."""
     k1, k2 = jax.random.split(jax.random.key(3))
     logits = (4.0 * jax.random.normal(k1, (3, 40, 1000))).astype(jnp.bfloat16)
     targets = jax.random.randint(k2, (3, 40), 0, 1000)
@@ -342,13 +340,6 @@ def test_cross_entropy_of_bf16_logits_is_autodiffs_and_keeps_no_fp32_copy():
     assert sorted(kept(cross_entropy), key=str) == sorted(
         [(logits.shape, jnp.bfloat16), ((3, 40, 1), jnp.float32), ((3, 40, 1), jnp.float32),
          (targets.shape, jnp.int32)], key=str)
-
-    # in the model: what the bf16-logits option computed with the upcast inside the model
-    cfg, idx, loss, _ = _one_layer_baseline()
-    m16 = GPT(dataclasses.replace(cfg, logits_dtype="bfloat16"), rngs=nnx.Rngs(0))
-    upcast = lambda m: _fp32_cross_entropy_of_upcast(m(idx), idx)
-    chex.assert_trees_all_equal(nnx.jit(nnx.value_and_grad(loss))(m16),
-                                nnx.jit(nnx.value_and_grad(upcast))(m16))
 
 
 def test_head_grad_option_rounds_only_the_logits_gradient(rng):
