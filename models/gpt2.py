@@ -459,7 +459,7 @@ class GPT(nnx.Module):
         self.ln_f = _layer_norm(cfg.n_embd, pdt, rngs)
 
     def __call__(self, idx, *, return_intermediates: bool = False):
-        """idx: int [batch, seq] -> FP32 logits [batch, seq, vocab].
+        """idx: int [batch, seq] -> logits [batch, seq, vocab] in ``logits_dtype`` (FP32 by default).
 
         With return_intermediates=True also returns a list (one dict per layer) with the attention
         input ``x`` and ``q``, ``k``, ``v`` ([batch, seq, heads, head_dim], compute dtype).
