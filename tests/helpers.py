@@ -385,3 +385,11 @@ def micro_cfg(run_dir, *extra):
     from train import config as C
 
     return C.apply_overrides(C.get_preset("tiny-cpu"), [*MICRO, f"run_dir={run_dir}", *extra])
+
+
+def fp32_cross_entropy_of_upcast(logits, targets):
+    """Autodiff's mean cross-entropy of logits upcast to FP32: ``jax.nn.logsumexp`` minus the
+    target's logit (what the model's loss computed for bf16 logits before it kept them as they are)."""
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0])
