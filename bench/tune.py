@@ -61,8 +61,7 @@ def backward_candidates(fwd: jf.Launch) -> list[jf.Launch]:
     plus = lambda **kw: dataclasses.replace(fwd, **kw)
     return ([plus(bwd=ws, prefetch_rows=pr) for ws in LAUNCHES for pr in (False, True)]
             + [plus(bwd_kernel="mosaic_dkdv", bwd=ws) for ws in LAUNCHES]  # ws: the Triton dQ's
-            + [plus(bwd_kernel="mosaic", mosaic_bwd_stages=n, mosaic_dq_pingpong=pp)
-               for n in (None, *MOSAIC_STAGES) for pp in (False, True)])
+            + [plus(bwd_kernel="mosaic", mosaic_bwd_stages=n) for n in (None, *MOSAIC_STAGES)])
 
 
 def finalists(launches: list[jf.Launch]) -> list[jf.Launch]:

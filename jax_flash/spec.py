@@ -120,9 +120,6 @@ class Launch:
     # Q/dO and K/V tiles); None: the kernels' per-shape defaults. Only how far loads run ahead.
     mosaic_fwd_stages: int | None = None
     mosaic_bwd_stages: int | None = None
-    # the Mosaic dQ kernel's two compute warpgroups take turns on the tensor cores, as the
-    # forward's do: one's dS while the other's products run. Only the schedule.
-    mosaic_dq_pingpong: bool = False
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -139,8 +136,6 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        if not isinstance(self.mosaic_dq_pingpong, bool):
-            raise ValueError(f"mosaic_dq_pingpong must be a bool, got {self.mosaic_dq_pingpong!r}")
         for name in ("bwd_block", "dq_block"):
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):

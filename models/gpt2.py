@@ -119,14 +119,15 @@ class GPTConfig:
     # intermediates and applies the cotangent (a custom VJP around autodiff's own operations, so
     # bit-identical; only the input passes an optimization barrier, not the recomputation's result)
     gelu_from_input: bool = False
+    # how the exact GELU's normal CDF is computed, in FP32: "erfc" is jax.nn.gelu's x·erfc(−x/√2)/2;
+    # "erf" is x·(1 + erf(x/√2))/2, the form PyTorch's exact GELU computes. The same function;
+    # XLA's erf is one rational polynomial where its erfc takes an exp and two divisions, so "erf"
+    # is cheaper, and it loses relative accuracy in the far negative tail (absolute error stays
+    # near |x|·2⁻²⁴). Last bits differ, so it is a named option
+    gelu: str = "erfc"
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
     # kernel per pass (models/layernorm.py), its FP32 sums in another order: last bits differ
     layernorm: str = "xla"
-    # Q, K and V from one GEMM on the three kernels side by side (the parameters stay three): the
-    # forward is one [n_embd, 3·n_embd] product and the backward's input gradient one product over
-    # 3·n_embd, summed in FP32 before one rounding where three bf16 products were added. Last bits
-    # of the input gradient differ, so it is a named option
-    fused_qkv: bool = False
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
     # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
@@ -147,12 +148,14 @@ class GPTConfig:
                 ok = False
             if not ok:
                 raise choice_error(name, getattr(self, name), DTYPES)
-        for name in ("recompute_gelu", "gelu_from_input", "fused_qkv"):
+        for name in ("recompute_gelu", "gelu_from_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.recompute_gelu and self.gelu_from_input:
             raise ValueError("recompute_gelu and gelu_from_input are two ways to the same values: "
                              "set one")
+        if self.gelu not in GELUS:
+            raise choice_error("gelu", self.gelu, GELUS)
         if self.layernorm not in LAYERNORMS:
             raise choice_error("layernorm", self.layernorm, LAYERNORMS)
         if not (isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std)
@@ -321,20 +324,13 @@ class CausalSelfAttention(nnx.Module):
         self.wo = mk(res_init)
         self.n_head = cfg.n_head
         self.groups = cfg.head_groups(layer)  # static: part of the graphdef
-        self.fused_qkv = cfg.fused_qkv
-
-    def qkv(self, x):
-        """Q, K and V of ``x`` [batch, seq, n_embd], each [batch, seq, n_embd] in the compute dtype."""
-        if self.fused_qkv:
-            dt = self.wq.dtype
-            w = jnp.concatenate([m.kernel[...].astype(dt) for m in (self.wq, self.wk, self.wv)], 1)
-            return tuple(jnp.split(jnp.dot(x.astype(dt), w), 3, axis=-1))
-        return self.wq(x), self.wk(x), self.wv(x)
 
     def __call__(self, x, capture: dict | None = None):
         b, t, d = x.shape
         shape = (b, t, self.n_head, d // self.n_head)
-        q, k, v = (a.reshape(shape) for a in self.qkv(x))
+        q = self.wq(x).reshape(shape)
+        k = self.wk(x).reshape(shape)
+        v = self.wv(x).reshape(shape)
         if capture is not None:
             capture.update(q=q, k=k, v=v)
         outs = [
@@ -369,33 +365,49 @@ class MLP(nnx.Module):
         # plain flags on the module (its graph stays comparable across instances); the function
         # is picked where it runs
         self.recompute, self.from_input = cfg.recompute_gelu, cfg.gelu_from_input
+        self.form = cfg.gelu
 
     def __call__(self, x):
-        gelu = (jax.checkpoint(_gelu) if self.recompute
-                else gelu_from_input if self.from_input else _gelu)
+        gelu = functools.partial(_gelu, form=self.form)
+        if self.recompute:
+            gelu = jax.checkpoint(gelu)
+        elif self.from_input:
+            gelu = functools.partial(gelu_from_input, form=self.form)
         return self.proj(gelu(self.fc(x)))
 
 
-def _gelu(h):
-    """Exact GELU in FP32, returned in ``h``'s dtype."""
-    return jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(h.dtype)
+GELUS = ("erfc", "erf")
+_SQRT_HALF = 0.7071067811865476
 
 
-@jax.custom_vjp
-def gelu_from_input(h):
+def _gelu(h, form="erfc"):
+    """Exact GELU in FP32, returned in ``h``'s dtype; ``form`` as ``GPTConfig.gelu``."""
+    x = h.astype(jnp.float32)
+    if form == "erfc":
+        y = jax.nn.gelu(x, approximate=False)
+    elif form == "erf":
+        y = x * ((1 + jax.lax.erf(x * jnp.float32(_SQRT_HALF))) / 2)
+    else:
+        raise choice_error("gelu", form, GELUS)
+    return y.astype(h.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gelu_from_input(h, form="erfc"):
     """``_gelu`` whose backward keeps only ``h``: it runs autodiff's own VJP of ``_gelu`` at ``h``,
     so the gradient is the same operations on the same values as without it."""
-    return _gelu(h)
+    return _gelu(h, form)
 
 
-def _gelu_fwd(h):
-    return _gelu(h), h
+def _gelu_fwd(h, form):
+    return _gelu(h, form), h
 
 
-def _gelu_bwd(h, g):
-    # without the barrier XLA merges this recomputation with the forward's and stores its FP32 erfc
+def _gelu_bwd(form, h, g):
+    # without the barrier XLA merges this recomputation with the forward's and keeps its FP32
+    # intermediates until the backward
     h = jax.lax.optimization_barrier(h)
-    return jax.vjp(_gelu, h)[1](g)
+    return jax.vjp(functools.partial(_gelu, form=form), h)[1](g)
 
 
 gelu_from_input.defvjp(_gelu_fwd, _gelu_bwd)
@@ -523,10 +535,10 @@ def cross_entropy(logits, targets):
 
     Lower-precision logits (``logits_dtype="bfloat16"``) are kept as they are for the backward, with
     each row's max and sum of exponentials; the backward recomputes the exponentials in the pass that
-    writes the gradient. Autodiff of the FP32 loss would store an FP32 copy of the logits and their
-    FP32 exponentials, each 200 KB a token at GPT-2's vocabulary. The operations are autodiff's, so
-    loss and gradient are its values (tests/test_model.py checks them bit for bit on the device the
-    tests run on).
+    writes the gradient, and takes the target's term there too (a select, not a scatter). Autodiff
+    of the FP32 loss would store an FP32 copy of the logits and their FP32 exponentials, each 200 KB
+    a token at GPT-2's vocabulary. Loss and gradient are the values autodiff gives the logits upcast
+    (tests/test_model.py checks them bit for bit on the device the tests run on).
     """
     targets = targets.astype(jnp.int32)
     if logits.dtype != jnp.float32:
@@ -545,7 +557,11 @@ def _cross_entropy_rows(logits, targets):
     amax = checkpoint_name(amax, "ce_row_max")
     sumexp = checkpoint_name(jnp.sum(jnp.exp(x - amax), axis=-1, keepdims=True), "ce_row_sumexp")
     lse = (jnp.log(jnp.abs(sumexp)) + amax)[..., 0]
-    tgt = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    # the target's logit as a masked row sum (one nonzero term: exactly the gathered value); its
+    # gradient is then a select, which XLA fuses into the one pass that writes the bf16 gradient,
+    # where a gather's is a scatter into an FP32 array written and read again
+    hit = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets[..., None]
+    tgt = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
     return jnp.mean(lse - tgt)
 
 

@@ -393,3 +393,41 @@ def fp32_cross_entropy_of_upcast(logits, targets):
     x = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(x, axis=-1)
     return jnp.mean(lse - jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0])
+
+
+def assert_gelu_erf_within_bound():
+    """The GELU's "erf" form (``models.gpt2._gelu(h, "erf")``, x·(1 + erf(x/√2))/2 in FP32) on every
+    bf16 input in [-8, 8], value and derivative, against float64's exact GELU, on the default
+    device. Allowed: half a bf16 ulp of the result (its one rounding to bf16) plus what FP32 adds —
+    the backend's erf within E = 8·2⁻²⁴ absolutely (the accuracy this form requires of it), the
+    rounding of x/√2 moving erf by under 2⁻²⁴, a few FP32 roundings of the products (4·2⁻²⁴
+    relative), and results below 2⁻¹²⁶ flushed to zero as XLA does. 1 + erf is exact where
+    erf ≤ −½, so near x = −8 the error is absolute (|x|·E/2), not relative: the form's known
+    weakness in the tail. Returns the inputs, the values and the VJP."""
+    import functools
+
+    import ml_dtypes
+
+    from models import gpt2
+
+    bits = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    x = np.unique(bits[np.isfinite(bits) & (np.abs(bits) <= 8.0)])
+    h = jnp.asarray(x, jnp.bfloat16)
+    y, vjp = jax.vjp(jax.jit(functools.partial(gpt2._gelu, form="erf")), h)
+    (dy,) = vjp(jnp.ones_like(h))
+    x64 = x.astype(np.float64)
+    cdf = np.array([math.erfc(-v / math.sqrt(2)) / 2 for v in x64])
+    pdf = np.exp(-x64 ** 2 / 2) / math.sqrt(2 * math.pi)
+    e, u = 8 * U32, U32
+
+    def ulp_bf16(v):
+        return np.exp2(np.floor(np.log2(np.maximum(np.abs(v), TINY))) - 7)
+
+    for name, got, want, absolute in (
+            ("value", y, x64 * cdf, np.abs(x64) * (e + u) / 2),
+            ("derivative", dy, cdf + x64 * pdf, (e + u) / 2 + np.abs(x64) * pdf * 4 * u)):
+        err = np.abs(np.asarray(got, np.float64) - want)
+        bound = ulp_bf16(want) / 2 + absolute + 4 * u * np.abs(want) + TINY
+        worst = int(np.argmax(err / bound))
+        assert np.all(err <= bound), (name, float(x[worst]), float(err[worst]), float(bound[worst]))
+    return h, y, vjp

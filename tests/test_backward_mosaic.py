@@ -152,8 +152,8 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     seen = []
 
     def fake(fill):
-        def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None, **kw):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, kw))
+        def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
@@ -162,17 +162,13 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     monkeypatch.setattr(bm, "dq_mosaic", fake((3.0,)))
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
-    launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
-                       mosaic_dq_pingpong=True)
+    launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    for args, got_cfg, out_dtype, stages, _ in seen:
+    for args, got_cfg, out_dtype, stages in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
         assert got_cfg == cfg and out_dtype == BF16 and stages == 2
-    assert seen[0][4] == {}  # dK/dV has no turns to take
-    if with_dq:
-        assert seen[1][4] == {"pingpong": True}
     assert np.all(np.asarray(dk, np.float32) == 1) and np.all(np.asarray(dv, np.float32) == 2)
     if with_dq:
         assert np.all(np.asarray(dq, np.float32) == 3)
@@ -256,28 +252,6 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg)
     base = _interpreted(q, k, v, do, lse, dlt, cfg)
     chex.assert_trees_all_equal(_interpreted(q, k, v, do, lse, dlt, cfg, stages=1), base)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("causal,window", [(True, None), (True, (100, 30))],
-                         ids=["causal", "window"])
-def test_interpreted_dq_pingpong_changes_no_bit(rng, causal, window):
-    """``Launch.mosaic_dq_pingpong`` only makes the dQ kernel's two compute warpgroups take turns:
-    its dQ equals the default schedule's bit for bit, races checked — causal (warpgroup 0 skips the
-    diagonal tile warpgroup 1 needs) and with a window (tiles skipped at both edges)."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
-
-    shape = (1, 384, 1, 64)
-    cfg = dataclasses.replace(make_cfg(shape[1], shape[-1], causal=causal), window=window)
-    q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg)
-    out = {}
-    for pingpong in (False, True):
-        interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-        out[pingpong] = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                               interpret=interpret_params(), pingpong=pingpong)
-        jax.block_until_ready(out[pingpong])
-        assert not interp.get_races().races_found
-    chex.assert_trees_all_equal(out[True], out[False])
 
 
 def test_ring_that_cannot_fit_raises():

@@ -115,6 +115,13 @@ def test_overrides_are_typed_and_nested():
     # JSON round trip
     again = C.from_dict(json.loads(C.to_json(cfg)))
     assert again == cfg
+    # a config written with a model option since removed loads when it asked for what is computed now
+    stored = json.loads(C.to_json(cfg))
+    stored["model"]["fused_qkv"] = False
+    assert C.from_dict(stored) == cfg
+    stored["model"]["fused_qkv"] = True
+    with pytest.raises(ValueError, match="fused_qkv was removed"):
+        C.from_dict(stored)
 
 
 @pytest.mark.parametrize(

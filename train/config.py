@@ -395,8 +395,17 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
+# model options that were removed, with the one value that computes what this version does: a stored
+# config holding that value still loads; any other value names a computation this version cannot do
+RETIRED_MODEL_OPTIONS = {"fused_qkv": False}
+
+
 def from_dict(d: dict) -> TrainConfig:
     m = dict(d["model"])
+    for name, kept in RETIRED_MODEL_OPTIONS.items():
+        if name in m and m.pop(name) != kept:
+            raise ValueError(f"model.{name} was removed (only {name}={kept!r} is computed now); "
+                             "this config needs the version of the code that wrote it")
     m["attention"] = AttentionSpec(**m["attention"])
     m["attention_overrides"] = tuple(
         (ov[0], AttentionSpec(**ov[-1]))

@@ -230,8 +230,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
         )(q, k, v, do, lse, dlt, *lens)
     if launch.bwd_kernel == "mosaic":
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
-                                       stages=launch.mosaic_bwd_stages,
-                                       pingpong=launch.mosaic_dq_pingpong)
+                                       stages=launch.mosaic_bwd_stages)
     else:
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, cfg=dq_cfg, launch=launch, nk=tk // cfg.block_k),

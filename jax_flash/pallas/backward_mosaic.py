@@ -287,9 +287,8 @@ def dkdv_scratch(d, dtype, stages):
     )
 
 
-def dq_scratch(d, dtype, stages, pingpong=False):
-    """The dQ kernel's compiled shared-memory scratch with a K/V ring of ``stages`` (and, with
-    ``pingpong``, the barrier of the compute warpgroups' turns)."""
+def dq_scratch(d, dtype, stages):
+    """The dQ kernel's compiled shared-memory scratch with a K/V ring of ``stages``."""
     plgpu = mosaic_common.plgpu()
     layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     rows = (COMPUTE_WGS, KEYS_PER_WG)
@@ -305,7 +304,6 @@ def dq_scratch(d, dtype, stages, pingpong=False):
         plgpu.Barrier(num_barriers=stages),  # V_j arrived
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
-        *((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if pingpong else ()),  # the turn
     )
 
 
@@ -358,14 +356,12 @@ def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
-               nk: int, stages: int, interpret: bool, pingpong: bool = False):
+               nk: int, stages: int, interpret: bool):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
     (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
-     k_ready, v_ready, k_free, v_free, *rest) = scratch
-    turn = rest.pop(0) if pingpong else None
-    staging = rest
+     k_ready, v_ready, k_free, v_free, *staging) = scratch
     rq, bk, d = KEYS_PER_WG, DQ_KEY_TILE, q_ref.shape[-1]
     wg = lax.axis_index("wg")
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
@@ -380,10 +376,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     def row_vector(ref):  # L or δ of the warpgroup's rows, broadcast along the keys: [rq, bk]
         vec = ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
         return lax.broadcast_in_dim(vec, (rq, bk), [0])
-
-    def take_turn():  # both compute warpgroups meet here; each call pairs with one of the other's
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -401,45 +393,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                                 dlt_ready.at[wg])
         for bar in (q_ready, do_ready, lse_ready, dlt_ready):
             plgpu.barrier_wait(bar.at[wg])
-        if pingpong:  # warpgroup 1 starts one turn behind, so that the two alternate from the start
-            pl.when(wg == 1)(take_turn)
 
         def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
             slot = lax.rem(j - p_lo, stages)
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(k_ready.at[slot])
-            if pingpong:  # both products issued before the turn passes: the same two wgmmas
 
-                def qk_dov(s_ref, dp_ref):
-                    plgpu.wgmma(s_ref, q_tile, k_tile.T)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.wgmma(dp_ref, do_tile, v_tile.T)
-                    take_turn()  # the other warpgroup's dS may end
-                    return s_ref[...], dp_ref[...]
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+                return acc_ref[...]
 
-                s, dp = pl.run_scoped(qk_dov, plgpu.ACC((rq, bk), jnp.float32),
-                                      plgpu.ACC((rq, bk), jnp.float32))
-            else:
+            s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
+            plgpu.barrier_wait(v_ready.at[slot])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_tile.T)
-                    return acc_ref[...]
+            def dov(acc_ref):
+                plgpu.wgmma(acc_ref, do_tile, v_tile.T)
+                return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
-                plgpu.barrier_wait(v_ready.at[slot])
-
-                def dov(acc_ref):
-                    plgpu.wgmma(acc_ref, do_tile, v_tile.T)
-                    return acc_ref[...]
-
-                dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
+            dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
             ds = ds_tile_dq(s, dp, row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg]), mask,
                             cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
-            if pingpong:  # dS done: the tensor cores are the other's turn, then this one's dS·K
-                take_turn()
             if not interpret:  # dS from registers, dQ as the accumulator
 
                 def dsk(acc_ref):
@@ -463,12 +439,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             slot = lax.rem(j - p_lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
-            if pingpong:  # the two turns a step takes, so that the other warpgroup's pair up
-                take_turn()
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            if pingpong:
-                take_turn()
 
         dq = jnp.zeros((rq, d), jnp.float32)
         dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
@@ -478,8 +450,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                                        masked_first=cfg.window is not None,
                                        masked_last=cfg.causal or cfg.window is not None
                                        or cfg.kv_len % bk != 0)
-        if pingpong:
-            pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
@@ -491,27 +461,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                    (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
 
 
-def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-              pingpong=False):
+def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
     128 query rows per program (two compute warpgroups of 64), key tiles of 64 streamed by TMA, in
     increasing order up to the causal diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the
-    K/V ring). ``pingpong`` (``Launch.mosaic_dq_pingpong``): the two compute warpgroups take turns
-    as the forward's do, one's dS while the other's products run — the same operations in the same
-    order per warpgroup, so the same bits."""
+    K/V ring)."""
     _require_covered("dQ", cfg, q, k, v, do, out_dtype)
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     nk = t // DQ_KEY_TILE
     layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     rows = (COMPUTE_WGS, KEYS_PER_WG)
-    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n, pingpong), stages,
-                                       STAGES[d], nk, "dQ")
-    scratch = dq_scratch(d, q.dtype, stages, pingpong)
+    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n), stages, STAGES[d], nk,
+                                       "dQ")
+    scratch = dq_scratch(d, q.dtype, stages)
     if interpret is not None:  # dS staged for the interpreter's wgmma
         scratch += (plgpu.SMEM((*rows, DQ_KEY_TILE), q.dtype, transforms=layout),)
     body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, pingpong=bool(pingpong))
+                             interpret=interpret is not None)
 
     def entry(*refs):
         from jax.experimental import pallas as pl
