@@ -88,6 +88,12 @@ def run(spec: dict) -> dict:
     sync = (lambda h: torch.cuda.synchronize()) if cuda else (lambda h: None)
     timing = time_steps(step, sync, warmup=spec["warmup"], steps=spec["steps"])
     loss = float(step().detach()) * accum
+    profiled = {}
+    if spec.get("profile"):
+        try:
+            profiled = {"profile": _profile(step, sync, spec, torch)}
+        except Exception as e:  # the timing stands without it
+            profiled = {"profile": {"error": f"{type(e).__name__}: {e}"}}
     try:
         import triton
 
@@ -109,8 +115,50 @@ def run(spec: dict) -> dict:
         "nanogpt_model_sha256": sha,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "triton": triton_version, "cuda": torch.version.cuda, "numpy": np.__version__},
+        **profiled,
         "wall_s": time.perf_counter() - t_start,
     }
+
+
+MAX_PROFILE_FILE = 15 << 20  # bytes: the device machine returns files of up to 16 MiB
+
+
+def _profile(step, sync, spec: dict, torch) -> dict:
+    """``spec["profile_steps"]`` steps under PyTorch's profiler: the trace (gzipped) and
+    ``profile.md``, kernel time by op family as ``bench.train_step`` gives it for a JAX arm (judged
+    by kernel name: ``lab.trace_split.torch_families``)."""
+    import gzip
+    import os
+
+    from lab import trace_split
+
+    pdir = Path(spec["profile"])
+    pdir.mkdir(parents=True, exist_ok=True)
+    n = spec["profile_steps"]
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        sync(None)
+    raw = pdir / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    events = json.loads(raw.read_text())["traceEvents"]
+    packed = gzip.compress(raw.read_bytes())
+    os.remove(raw)
+    files = []
+    if len(packed) <= MAX_PROFILE_FILE:
+        (pdir / "trace.json.gz").write_bytes(packed)
+        files.append("trace.json.gz")
+    res = trace_split.torch_families(events, steps=n)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    title = (f"Kernel time of one training step by op family: nanoGPT's step, micro-batch "
+             f"{spec['micro_batch']}, {device}, torch {torch.__version__} (`python -m "
+             f"bench.train_step … --profile DIR --profile-arms …,nanogpt`; kernels judged by name)")
+    (pdir / "profile.md").write_text(trace_split.families_markdown(res, title))
+    files.append("profile.md")
+    return {**res, "kernels": res["kernels"][:40], "files": files, "dir": str(pdir)}
 
 
 def main(argv=None):

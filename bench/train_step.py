@@ -32,7 +32,9 @@ DIR/trace.json.gz (the perfetto trace) and DIR/hlo.txt.gz (the step's optimized 
 grouping reads); ``python -m lab.trace_split --families DIR/trace.json.gz --hlo DIR/hlo.txt.gz``
 groups them again without a GPU. ``--profile-arms A,B,…`` profiles those arms instead, each into
 DIR/<arm as a file name>/, and writes DIR/compare.md: the families of every profiled arm side by
-side, so that what an option moves is read in one table.
+side, so that what an option moves is read in one table. ``nanogpt`` among them profiles nanoGPT's
+step under PyTorch's profiler (its trace and profile.md; kernels judged by name alone,
+``lab.trace_split.torch_families``).
 """
 
 from __future__ import annotations
@@ -360,8 +362,7 @@ def run_all(args) -> dict:
             else:  # one GPU
                 cfg = config_lib.apply_overrides(base, [f"data.batch_size={batch}"])
                 run.update(nanogpt=args.nanogpt, grad_accum=grad_accum_steps(cfg, 1))
-            profile = (bool(args.profile) and kind == "jax" and arm in args.profile_arms
-                       and batch == args.batch[0])
+            profile = bool(args.profile) and arm in args.profile_arms and batch == args.batch[0]
             result["runs"].append(run)
             elapsed = _clock() - t_begin
             # the profiled run takes longer than the others: a guess for them only without another
@@ -394,6 +395,8 @@ def run_all(args) -> dict:
                             optim={"lr": o.lr, "b1": o.b1, "b2": o.b2, "eps": o.eps,
                                    "weight_decay": o.weight_decay, "clip": o.clip or 0.0,
                                    "warmup_steps": o.warmup_steps})
+                if profile:
+                    spec.update(profile=profile_dir(args, arm), profile_steps=args.profile_steps)
                 cmd = [args.torch_python, "-m", "bench.nanogpt_step", str(work / f"spec-{i}.json")]
             (work / f"spec-{i}.json").write_text(json.dumps(spec))
             timeout = args.worker_timeout
@@ -476,6 +479,13 @@ def regroup(result: dict, root: str) -> list[dict]:
         d = Path(root) / Path(p["dir"]).name
         d = d if (d / "trace.json.gz").is_file() else Path(root)
         trace, hlo = d / "trace.json.gz", d / "hlo.txt.gz"
+        if p["arm"] == "nanogpt":  # PyTorch's trace: kernels judged by name
+            if not trace.is_file():
+                raise FileNotFoundError(f"no trace.json.gz of 'nanogpt' in {d}")
+            res = trace_split.torch_families(
+                json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"], steps=p["steps"])
+            out.append({"arm": p["arm"], "batch": p["batch"], **res})
+            continue
         if not (trace.is_file() and hlo.is_file()):
             raise FileNotFoundError(f"no trace.json.gz and hlo.txt.gz of {p['arm']!r} in {d}")
         index = trace_split.HloIndex(gzip.decompress(hlo.read_bytes()).decode())
@@ -597,7 +607,8 @@ def main(argv=None):
         ap.error(f"--primary {args.primary} is not among --arms")
     args.profile_arms = ([a for a in args.profile_arms.split(",") if a] if args.profile_arms
                          else [args.primary])
-    missing = [a for a in args.profile_arms if a not in args.arms]
+    missing = [a for a in args.profile_arms
+               if a not in args.arms and not (a == "nanogpt" and args.nanogpt)]
     if missing:
         ap.error(f"--profile-arms {','.join(missing)} not among --arms")
     if args.warmup < 1:

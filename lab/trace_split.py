@@ -502,6 +502,51 @@ def families(events: list[dict], index: HloIndex | None = None, steps: int = 1,
             "kernels": kernels}
 
 
+# PyTorch's kernels by name alone (no HLO to read): Inductor names a generated kernel after the ops
+# it fused (``triton_poi_fused_gelu_…``, ``triton_per_fused_add_native_layer_norm_…``), ATen and
+# cuBLAS after the op. First rule that holds wins; the loss before layer norms and elementwise, since
+# Inductor fuses its casts and softmax into one kernel.
+_TORCH_RULES = (
+    ("attention", re.compile(r"flash|fmha|sdpa|attention")),
+    ("matmul", _GEMM_NAME),
+    ("logits_ce", re.compile(r"log_softmax|nll_loss|cross_entropy")),
+    ("layernorm", re.compile(r"layer_norm")),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach")),
+    ("elementwise", re.compile(r"gelu|triton_poi|elementwise|vectorized|unrolled")),
+    ("copy", re.compile(r"memcpy|memset|copy|cat_|clone|transpose")),
+)
+
+
+def torch_families(events: list[dict], steps: int = 1) -> dict:
+    """``families`` for a PyTorch profiler trace (``export_chrome_trace``): its CUDA kernel, memcpy
+    and memset events, each judged by its name (``_TORCH_RULES``); without any (a CPU run), the
+    innermost CPU ops. The same keys as ``families``, for ``families_markdown``."""
+    ev = [e for e in events if e.get("ph") == "X"
+          and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not ev:
+        ev = _innermost([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
+    fam = {k: 0.0 for k in FAMILIES}
+    rows: dict[str, dict] = {}
+    for e in ev:
+        name, dur = e["name"], e.get("dur", 0.0) / 1e3
+        family = next((f for f, rule in _TORCH_RULES if rule.search(name.lower())), "other")
+        fam[family] += dur
+        r = rows.setdefault(name, {"kernel": name, "hlo_op": None, "family": family,
+                                   "rule": "kernel name", "ms": 0.0, "launches": 0})
+        r["ms"] += dur
+        r["launches"] += 1
+    iv = [(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ev]
+    span = (max(b for _, b in iv) - min(a for a, _ in iv)) / 1e3 if iv else 0.0
+    kernels = sorted(rows.values(), key=lambda r: -r["ms"])
+    for r in kernels:
+        r["ms"], r["launches"] = r["ms"] / steps, r["launches"] / steps
+    total = sum(fam.values()) / steps
+    return {"steps": steps, "total_ms": total, "busy_ms": _union(iv) / 1e3 / steps,
+            "span_ms": span / steps, "families_ms": {k: v / steps for k, v in fam.items()},
+            "attributed_ms": {"hlo_op": 0.0, "kernel name = HLO op": 0.0, "kernel name only": total},
+            "foreign_events": 0, "kernels": kernels}
+
+
 def families_markdown(res: dict, title: str = "", top: int = 12) -> str:
     """A families table (ms per step, share of kernel time), then the largest kernels."""
     total = res["total_ms"] or float("nan")

@@ -129,12 +129,12 @@ class FakeRuns:
         self.ms, self.seconds, self.fail, self.now, self.calls = ms, seconds, fail, 0.0, []
         self.profile_dirs = []
 
-    def profile(self, spec):
+    def profile(self, spec, batch):
         """A profile whose families scale with the arm's step time (matmuls half of it)."""
         from lab.trace_split import FAMILIES
 
         self.profile_dirs.append(spec["profile"])
-        ms = self.ms[(spec["arm"], spec["config"]["data"]["batch_size"])]
+        ms = self.ms[(spec["arm"], batch)]
         fam = {k: 0.0 for k in FAMILIES}
         fam.update(matmul=ms / 2, elementwise=ms / 2)
         return {"total_ms": ms, "families_ms": fam, "steps": 3}
@@ -158,7 +158,7 @@ class FakeRuns:
             "tokens_per_step": batch * 1024, "grad_accum": 1, "n_devices": 1, "peak_memory_bytes": 3 << 30,
             "n_params_non_embedding": 123_587_328, "device": "NVIDIA H200",
             "platform": "cuda" if kind == "torch" else "gpu",
-            **({"profile": self.profile(spec)} if spec.get("profile") else {}),
+            **({"profile": self.profile(spec, batch)} if spec.get("profile") else {}),
             "versions": {"torch": "2.11"} if kind == "torch" else {"jax": "0.11.2"}}))
         return 0, self.seconds["profile" if spec.get("profile") else kind]
 
@@ -248,6 +248,26 @@ def test_profile_arms_side_by_side(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         ts.main(["--arms", "fa2", "--profile", str(prof), "--profile-arms", "cudnn",
                  "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit):  # nanoGPT's step is profiled only where it runs
+        ts.main(["--arms", "fa2", "--profile", str(prof), "--profile-arms", "fa2,nanogpt",
+                 "--out", str(tmp_path / "x.json")])
+
+
+def test_nanogpt_profiled_beside_an_arm(tmp_path, monkeypatch):
+    """--profile-arms ARM,nanogpt: nanoGPT's worker gets a profile folder of its own, and compare.md
+    sets its families beside the arm's."""
+    (tmp_path / "nano").mkdir()
+    (tmp_path / "nano" / "model.py").write_text("")
+    fake = FakeRuns({("fa2-stable", 4): 80.0, ("nanogpt", 4): 64.0}, {"jax": 1.0, "torch": 1.0,
+                                                                        "profile": 2.0})
+    monkeypatch.setattr(ts, "_launch", fake.launch)
+    prof = tmp_path / "prof"
+    res = ts.main(["--arms", "fa2-stable", "--batch", "4", "--nanogpt", str(tmp_path / "nano"),
+                   "--profile", str(prof), "--profile-arms", "fa2-stable,nanogpt",
+                   "--out", str(tmp_path / "r.json")])
+    assert fake.profile_dirs == [str(prof / "fa2-stable"), str(prof / "nanogpt")]
+    assert [p["arm"] for p in res["profiles"]] == ["fa2-stable", "nanogpt"]
+    assert "| **all kernels** | 80.00 | 64.00 (-16.00) |" in (prof / "compare.md").read_text()
 
 
 def test_missing_nanogpt_is_recorded_not_fatal(tmp_path, monkeypatch):
@@ -426,6 +446,8 @@ def test_nanogpt_step_on_cpu(tmp_path, source):
             "steps": 3, "optim": {"lr": 1e-3, "b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
                                   "clip": 1.0, "warmup_steps": 10},
             "result": str(tmp_path / "res.json")}
+    if source == "nanoGPT":  # its profile too (CPU ops stand in for kernels)
+        spec.update(profile=str(tmp_path / "profile"), profile_steps=2)
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([py, "-c", "import sys, bench.nanogpt_step as m; m.main([sys.argv[1]]); "
@@ -439,6 +461,13 @@ def test_nanogpt_step_on_cpu(tmp_path, source):
     assert len(r["step_times_ms"]) == 3 and r["step_ms"]["median"] > 0 and r["back_to_back_ms"] > 0
     assert abs(r["loss_last"] - math.log(384)) < 1.0
     assert r["versions"]["torch"] and len(r["nanogpt_model_sha256"]) == 64
+    if source == "nanoGPT":
+        prof = r["profile"]
+        assert prof["files"] == ["trace.json.gz", "profile.md"] and prof["total_ms"] > 0, prof
+        assert (tmp_path / "profile" / "profile.md").read_text().startswith(
+            "Kernel time of one training step by op family: nanoGPT's step")
+    else:
+        assert "profile" not in r
 
 
 # ----------------------------------------------------------------------------- op families
@@ -723,6 +752,36 @@ def test_families_by_kernel_name_alone():
     rest = sum(dur.values()) - sum(dur[n] for ns in by_name.values() for n in ns)
     assert res["families_ms"]["other"] == pytest.approx(rest + 0.5)
     assert res["attributed_ms"]["kernel name only"] == pytest.approx(res["total_ms"])
+
+
+def test_torch_families_judge_pytorch_kernels_by_name():
+    """nanoGPT's profile: Inductor's generated kernels are named after the ops they fused, ATen's and
+    cuBLAS's after the op. Each family gets its kernels' time per step; CPU ops, Python frames and
+    the CUDA runtime's calls are not kernel time; memcpy and memset are."""
+    k = lambda name, ts, dur, cat="kernel": {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                                            "pid": 0, "tid": 7}
+    ev = [k("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", 0, 400),
+          k("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 400, 300),
+          k("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", 700, 200),
+          k("triton_per_fused__log_softmax__to_copy_view_0", 900, 120),
+          k("triton_red_fused_add_native_layer_norm_native_layer_norm_backward_3", 1020, 60),
+          k("triton_poi_fused_gelu_gelu_backward_view_5", 1080, 80),
+          k("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+            1160, 30),
+          k("triton_poi_fused_add_9", 1190, 10),
+          k("Memcpy HtoD (Pageable -> Device)", 1200, 5, cat="gpu_memcpy"),
+          k("triton_red_fused_sum_12", 1205, 15),
+          k("aten::mm", 0, 2000, cat="cpu_op"), k("cudaLaunchKernel", 10, 5, cat="cuda_runtime")]
+    res = tsp.torch_families(ev, steps=2)
+    want = {"matmul": 700, "attention": 200, "logits_ce": 120, "layernorm": 60, "elementwise": 90,
+            "optimizer": 30, "copy": 5, "other": 15}
+    assert res["families_ms"] == pytest.approx({f: us / 2e3 for f, us in want.items()})
+    assert res["total_ms"] == pytest.approx(1.22 / 2) and res["busy_ms"] == pytest.approx(1.22 / 2)
+    assert res["kernels"][0]["kernel"].startswith("ampere") and res["kernels"][0]["launches"] == 0.5
+    assert "| GELU / elementwise | 0.04 |" in tsp.families_markdown(res, "nanoGPT")
+    # a CPU-only trace has no kernels: its innermost CPU ops stand in
+    cpu = tsp.torch_families([k("aten::linear", 0, 100, "cpu_op"), k("aten::mm", 10, 80, "cpu_op")])
+    assert [r["kernel"] for r in cpu["kernels"]] == ["aten::mm"]
 
 
 def test_xla_cpu_ops_count_once():
