@@ -167,7 +167,7 @@ FAMILIES = {  # key -> label, in table order
 _ATTENTION_NAME = re.compile(r"jax_flash|fmha|sdpa|flash_[fb]prop")
 _GEMM_NAME = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul")
 # the Pallas LayerNorm kernels of models/layernorm.py (custom calls: no fusion of their own to read)
-_LAYERNORM_NAME = re.compile(r"model_layernorm")
+_LAYERNORM_NAME = re.compile(r"model_(add_)?layernorm")
 _COPY_NAME = re.compile(r"memcpy|memset|^(wrapped_)?(copy|transpose)")
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul")
 # Ops that only move, lay out or cast data: a fusion of nothing else is a copy (the bf16 copies of the

@@ -126,7 +126,8 @@ class GPTConfig:
     # near |x|·2⁻²⁴). Last bits differ, so it is a named option
     gelu: str = "erfc"
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
-    # kernel per pass (models/layernorm.py), its FP32 sums in another order: last bits differ
+    # kernel per pass (models/layernorm.py), each residual addition in the kernels of the LayerNorm
+    # after it; its FP32 sums in another order: last bits differ
     layernorm: str = "xla"
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
@@ -455,6 +456,21 @@ class Block(nnx.Module):
             capture["resid"] = x  # block output (residual stream), for train/probes.py
         return x
 
+    def fused(self, x, h, ln_next, capture: dict | None = None):
+        """The block under ``layernorm="pallas"``: ``h`` is ``ln_1(x)``, computed by the caller;
+        each residual addition runs with the LayerNorm after it (``models.layernorm.add_layer_norm``:
+        the same values as apart). Returns the block's output and ``ln_next`` of it."""
+        from models.layernorm import add_layer_norm
+
+        if capture is not None:
+            capture["x"] = h
+        x, h = add_layer_norm(x, self.attn(h, capture), self.ln_2.scale[...], self.ln_2.epsilon,
+                              self.dtype)
+        x, h = add_layer_norm(x, self.mlp(h), ln_next.scale[...], ln_next.epsilon, self.dtype)
+        if capture is not None:
+            capture["resid"] = x
+        return x, h
+
 
 class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
@@ -482,13 +498,23 @@ class GPT(nnx.Module):
             raise ValueError(f"sequence length {t} > block_size {cfg.block_size}")
         x = self.wte(idx) + self.wpe(jnp.arange(t))[None]
         captures = [] if return_intermediates else None
-        for block in self.blocks:
-            cap = {} if return_intermediates else None
-            x = block(x, cap)
-            if return_intermediates:
-                captures.append(cap)
         dt = _dt(cfg.dtype)
-        x = _normed(self.ln_f, x, dt, cfg.layernorm)  # the head takes x in the compute dtype
+        if cfg.layernorm == "pallas":  # each residual addition fused with the LayerNorm after it
+            h = _normed(self.blocks[0].ln_1, x, dt, "pallas")
+            lns = [b.ln_1 for b in self.blocks[1:]] + [self.ln_f]
+            for block, ln_next in zip(self.blocks, lns):
+                cap = {} if return_intermediates else None
+                x, h = block.fused(x, h, ln_next, cap)
+                if return_intermediates:
+                    captures.append(cap)
+            x = h
+        else:
+            for block in self.blocks:
+                cap = {} if return_intermediates else None
+                x = block(x, cap)
+                if return_intermediates:
+                    captures.append(cap)
+            x = _normed(self.ln_f, x, dt, cfg.layernorm)  # the head takes x in the compute dtype
         # the head's output dtype: FP32, or bf16 as autocast makes it — then the gradient of the
         # logits is bf16 too and the head's backward GEMMs run in bf16, as nanoGPT's do
         out_dt = _dt(cfg.logits_dtype)

@@ -9,6 +9,11 @@ LayerNorm's (mean, then the mean of squared deviations, eps inside the square ro
 gradient, in FP32; the sums run in another order than XLA's, so last bits differ from the default
 ``"xla"`` LayerNorm — an opt-in named option, not bit-neutral.
 
+``add_layer_norm`` takes the residual addition before a LayerNorm into the same kernels: the
+forward writes the sum and its normalised row from one read of both addends, the backward adds the
+sum's own cotangent to the LayerNorm's input gradient and writes it with its cast to the branch's
+dtype. The model runs every residual addition that way under ``"pallas"``.
+
 Rows are loaded in chunks of ``chunk`` features (a power of two dividing the width: Triton's tensors
 are powers of two), e.g. three of 256 for GPT-2's 768.
 """
@@ -57,7 +62,21 @@ def _chunks(ref, d, c):
 
 
 def _fwd_kernel(x_ref, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps: float):
-    xs = [x.astype(jnp.float32) for x in _chunks(x_ref, d, c)]
+    _normalize([x.astype(jnp.float32) for x in _chunks(x_ref, d, c)], w_ref, y_ref, mean_ref,
+               rstd_ref, d=d, c=c, eps=eps)
+
+
+def _add_fwd_kernel(x_ref, r_ref, w_ref, s_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int,
+                    eps: float):
+    # s = x + r as XLA adds them (r upcast first), written once and normalised from registers
+    xs = [x.astype(jnp.float32) + r.astype(jnp.float32)
+          for x, r in zip(_chunks(x_ref, d, c), _chunks(r_ref, d, c))]
+    for i, x in enumerate(xs):
+        s_ref[:, pl.ds(i * c, c)] = x.astype(s_ref.dtype)
+    _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, d=d, c=c, eps=eps)
+
+
+def _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps: float):
     mean = sum(jnp.sum(x, axis=1) for x in xs) / d
     cs = [x - mean[:, None] for x in xs]
     var = sum(jnp.sum(v * v, axis=1) for v in cs) / d
@@ -70,6 +89,25 @@ def _fwd_kernel(x_ref, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps:
 
 
 def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: int, c: int):
+    def store(i, dx):
+        dx_ref[:, pl.ds(i * c, c)] = dx.astype(dx_ref.dtype)
+
+    _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store)
+
+
+def _add_bwd_kernel(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, gs_ref, ds_ref, dr_ref, dw_ref, *,
+                    d: int, c: int):
+    def store(i, dx):  # the sum's own cotangent added, as autodiff adds the two; r's is its cast
+        cols = (slice(None), pl.ds(i * c, c))
+        ds = dx + gs_ref[cols].astype(jnp.float32)
+        ds_ref[cols] = ds.astype(ds_ref.dtype)
+        dr_ref[cols] = ds.astype(dr_ref.dtype)
+
+    _grads(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store)
+
+
+def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, store):
+    """The LayerNorm's input gradient per chunk (handed to ``store``) and d(scale)'s partial."""
     mean, rstd = mean_ref[...], rstd_ref[...]
     xhat = [(x.astype(jnp.float32) - mean[:, None]) * rstd[:, None] for x in _chunks(x_ref, d, c)]
     dys = [g.astype(jnp.float32) for g in _chunks(dy_ref, d, c)]
@@ -78,8 +116,7 @@ def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: 
     c1 = sum(jnp.sum(g * xh, axis=1) for g, xh in zip(gs, xhat)) / d  # mean(g·x̂)
     c2 = sum(jnp.sum(g, axis=1) for g in gs) / d  # mean(g)
     for i, (g, xh, dy) in enumerate(zip(gs, xhat, dys)):
-        dx_ref[:, pl.ds(i * c, c)] = ((g - c2[:, None] - xh * c1[:, None])
-                                      * rstd[:, None]).astype(dx_ref.dtype)
+        store(i, (g - c2[:, None] - xh * c1[:, None]) * rstd[:, None])
         dw_ref[0, pl.ds(i * c, c)] = jnp.sum(dy * xh, axis=0)
 
 
@@ -121,6 +158,46 @@ def _backward(x2, w, mean, rstd, dy2):
     return dx, jnp.sum(dw_parts, axis=0)
 
 
+def _add_forward(x2, r2, w, eps, out_dtype):
+    n, d = x2.shape
+    c, br = chunk_width(d), _rows_per_program(n)
+    row = pl.BlockSpec((br, d), lambda i: (i, 0))
+    vec = pl.BlockSpec((br,), lambda i: (i,))
+    return pl.pallas_call(
+        functools.partial(_add_fwd_kernel, d=d, c=c, eps=eps),
+        grid=(n // br,),
+        in_specs=[row, row, pl.BlockSpec((d,), lambda i: (0,))],
+        out_specs=[row, row, vec, vec],
+        out_shape=[jax.ShapeDtypeStruct((n, d), x2.dtype),
+                   jax.ShapeDtypeStruct((n, d), out_dtype),
+                   jax.ShapeDtypeStruct((n,), jnp.float32),
+                   jax.ShapeDtypeStruct((n,), jnp.float32)],
+        interpret=_interpret(),
+        compiler_params=_compiler_params(),
+        name="model_add_layernorm_fwd",
+    )(x2, r2, w)
+
+
+def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype):
+    n, d = s2.shape
+    c, br = chunk_width(d), _rows_per_program(n)
+    row = pl.BlockSpec((br, d), lambda i: (i, 0))
+    vec = pl.BlockSpec((br,), lambda i: (i,))
+    ds, dr, dw_parts = pl.pallas_call(
+        functools.partial(_add_bwd_kernel, d=d, c=c),
+        grid=(n // br,),
+        in_specs=[row, pl.BlockSpec((d,), lambda i: (0,)), vec, vec, row, row],
+        out_specs=[row, row, pl.BlockSpec((1, d), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((n, d), s2.dtype),
+                   jax.ShapeDtypeStruct((n, d), r_dtype),
+                   jax.ShapeDtypeStruct((n // br, d), jnp.float32)],
+        interpret=_interpret(),
+        compiler_params=_compiler_params(),
+        name="model_add_layernorm_bwd",
+    )(s2, w, mean, rstd, dy2, gs2)
+    return ds, dr, jnp.sum(dw_parts, axis=0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def layer_norm(x, scale, eps: float = 1e-5, out_dtype=jnp.float32):
     """LayerNorm over the last axis of ``x`` with ``scale`` (no bias), in FP32, the result in
@@ -142,3 +219,35 @@ def _bwd(eps, out_dtype, res, g):
 
 
 layer_norm.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def add_layer_norm(x, r, scale, eps: float = 1e-5, out_dtype=jnp.float32):
+    """``(s, layer_norm(s, scale, eps, out_dtype))`` with ``s = x + r`` (``r`` upcast to ``x``'s
+    dtype first, as XLA adds them): a residual addition and the next LayerNorm in one kernel each
+    way. ``r`` is in ``out_dtype`` (a branch's output in the compute dtype); its gradient is the
+    sum's, cast to it. The same values as the two apart: the backward adds the sum's own cotangent
+    to the LayerNorm's input gradient as autodiff adds the two (tests/test_layernorm.py)."""
+    return _add_fwd(x, r, scale, eps, out_dtype)[0]
+
+
+def _add_fwd(x, r, scale, eps, out_dtype):
+    if r.dtype != jnp.dtype(out_dtype):
+        raise ValueError(f"add_layer_norm: r is {r.dtype}, expected out_dtype {jnp.dtype(out_dtype)}")
+    d = x.shape[-1]
+    s, y, mean, rstd = _add_forward(x.reshape(-1, d), r.reshape(-1, d), scale, eps,
+                                    jnp.dtype(out_dtype))
+    return (s.reshape(x.shape), y.reshape(x.shape)), (s, scale, mean, rstd)
+
+
+def _add_bwd(eps, out_dtype, res, g):
+    s, scale, mean, rstd = res
+    gs, gy = g
+    d = s.shape[-1]
+    ds, dr, dw = _add_backward(s, scale, mean, rstd, gy.reshape(-1, d), gs.reshape(-1, d),
+                               jnp.dtype(out_dtype))
+    shape = gs.shape
+    return ds.reshape(shape), dr.reshape(shape), dw.astype(scale.dtype)
+
+
+add_layer_norm.defvjp(_add_fwd, _add_bwd)

@@ -431,3 +431,44 @@ def assert_gelu_erf_within_bound():
         worst = int(np.argmax(err / bound))
         assert np.all(err <= bound), (name, float(x[worst]), float(err[worst]), float(bound[worst]))
     return h, y, vjp
+
+
+def assert_add_layer_norm_is_the_pair(rng, jit: bool):
+    """``models.layernorm.add_layer_norm`` against x + r then ``layer_norm``, GPT-2's width, cotangents
+    on both outputs: the sum, the normalised row and the scale's gradient bit for bit (the same
+    additions, roundings and sums in other kernels). The input gradient adds the sum's cotangent to
+    the LayerNorm's last product inside the kernel, where a compiler may contract the two into one
+    FMA, skipping the product's rounding: each way is within half an ulp of the sum (plus half an
+    ulp of the product apart) of the exact value, so the two differ by at most ulp(ds) + ½ulp(dx)
+    ≤ 2u·(|dx| + |g_s|) + u·|dx| (u = 2⁻²⁴); r's gradient is exactly that sum cast to bf16.
+    Returns the inputs x and r."""
+    from models.layernorm import add_layer_norm, layer_norm
+
+    eps = 1e-5
+    x = jnp.asarray(rng.standard_normal((2, 24, 768)) * 2.0, jnp.float32)
+    r = jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16)
+    w = jnp.asarray(1.0 + 0.1 * rng.standard_normal(768), jnp.float32)
+    gs = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    gy = jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16)
+
+    def apart(x, r, w):
+        s = x + r.astype(jnp.float32)
+        return s, layer_norm(s, w, eps, jnp.bfloat16)
+
+    def fused(x, r, w):
+        return add_layer_norm(x, r, w, eps, jnp.bfloat16)
+
+    def run(f):
+        out, vjp = jax.vjp(f, x, r, w)
+        return out, vjp((gs, gy))
+
+    wrap = jax.jit if jit else (lambda f: f)
+    got, want = wrap(lambda: run(fused))(), wrap(lambda: run(apart))()
+    chex.assert_trees_all_equal(got[0], want[0])
+    chex.assert_trees_all_equal(got[1][2], want[1][2])
+    chex.assert_trees_all_equal_dtypes(got[1], (x, r, w))
+    ln_dx = jax.vjp(lambda s: layer_norm(s, w, eps, jnp.bfloat16), want[0][0])[1](gy)[0]
+    bound = U32 * (3 * np.abs(np.asarray(ln_dx)) + 2 * np.abs(np.asarray(gs)))
+    assert np.all(np.abs(np.asarray(got[1][0]) - np.asarray(want[1][0])) <= bound)
+    chex.assert_trees_all_equal(got[1][1], got[1][0].astype(jnp.bfloat16))
+    return x, r

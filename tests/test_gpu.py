@@ -16,7 +16,8 @@ import pytest
 
 import jax_flash as jf
 from jax_flash.pallas import tuning
-from helpers import assert_gelu_erf_within_bound, fp32_cross_entropy_of_upcast, tied_inputs
+from helpers import (assert_add_layer_norm_is_the_pair, assert_gelu_erf_within_bound,
+                     fp32_cross_entropy_of_upcast, tied_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -374,6 +375,12 @@ def test_gpu_gelu_recomputations_change_no_bit(option):
     want = value_and_grad(gpt2.GPT(cfg, rngs=nnx.Rngs(0)))
     got = value_and_grad(gpt2.GPT(dataclasses.replace(cfg, **{option: True}), rngs=nnx.Rngs(0)))
     chex.assert_trees_all_equal(got, want)
+
+
+def test_gpu_add_layer_norm_is_the_pair():
+    """The fused residual addition and LayerNorm compiled for the GPU (Triton): as the CPU test,
+    ``helpers.assert_add_layer_norm_is_the_pair``."""
+    assert_add_layer_norm_is_the_pair(np.random.default_rng(0), jit=True)
 
 
 def test_gpu_gelu_erf_form_within_its_bound():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.layernorm import chunk_width, layer_norm
+from helpers import assert_add_layer_norm_is_the_pair
+from models.layernorm import add_layer_norm, chunk_width, layer_norm
 
 U = 2.0 ** -24  # FP32 unit roundoff
 EPS = 1e-5
@@ -84,12 +85,20 @@ def test_leading_axes_and_jit(rng):
     chex.assert_shape(dw, (96,))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_add_layer_norm_is_the_addition_then_the_layer_norm(rng, jit):
+    """``helpers.assert_add_layer_norm_is_the_pair`` on this device, eager and compiled."""
+    x, r = assert_add_layer_norm_is_the_pair(rng, jit)
+    with pytest.raises(ValueError, match="out_dtype"):
+        add_layer_norm(x, r.astype(jnp.float32), jnp.ones(x.shape[-1]), EPS, jnp.bfloat16)
+
+
 def test_chunks_are_powers_of_two_dividing_the_width():
     assert [chunk_width(d) for d in (768, 1024, 96, 80, 7)] == [256, 256, 32, 16, 1]
 
 
 def test_lowers_to_triton_for_cuda(monkeypatch):
-    """Forward and backward lower to Triton modules for CUDA on a CPU (``jax.export``, the kernels
+    """Forward and backward (and the fused addition's) lower to Triton modules for CUDA on a CPU (``jax.export``, the kernels
     made to run compiled and the lowering told it targets an sm_90 GPU): Triton takes only
     power-of-two tensors, which the row chunks keep to at GPT-2's width."""
     from jax._src.pallas.triton import pallas_call_registration as reg
@@ -115,6 +124,16 @@ def test_lowers_to_triton_for_cuda(monkeypatch):
     w = jax.ShapeDtypeStruct((768,), jnp.float32)
     f = jax.jit(jax.grad(lambda x, w: layer_norm(x, w, EPS, jnp.bfloat16).astype(jnp.float32).sum(),
                          argnums=(0, 1)))
-    jax.export.export(f, platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(x, w)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(x, w)
     assert len(seen) == 2 and all("tt.func" in m for m in seen)
+    # the fused residual addition's two kernels too
+    r = jax.ShapeDtypeStruct((4, 1024, 768), jnp.bfloat16)
+
+    def fused_loss(x, r, w):
+        s, y = add_layer_norm(x, r, w, EPS, jnp.bfloat16)
+        return s.sum() + y.astype(jnp.float32).sum()
+
+    g = jax.jit(jax.grad(fused_loss, argnums=(0, 1, 2)))
+    jax.export.export(g, platforms=["cuda"], disabled_checks=checks)(x, r, w)
+    assert len(seen) == 4 and all("tt.func" in m for m in seen)

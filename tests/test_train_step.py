@@ -752,6 +752,8 @@ def test_families_by_kernel_name_alone():
     rest = sum(dur.values()) - sum(dur[n] for ns in by_name.values() for n in ns)
     assert res["families_ms"]["other"] == pytest.approx(rest + 0.5)
     assert res["attributed_ms"]["kernel name only"] == pytest.approx(res["total_ms"])
+    # the fused residual addition's LayerNorm kernels count as layer norms too
+    assert tsp.classify("model_add_layernorm_bwd__3", None) == ("layernorm", "kernel name")
 
 
 def test_torch_families_judge_pytorch_kernels_by_name():
