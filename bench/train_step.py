@@ -182,16 +182,29 @@ def _profile(step, compiled, cfg, spec) -> dict:
 # ----------------------------------------------------------------------------- the parent
 
 
-def arm_overrides(spec: str) -> list[str]:
-    """Config overrides of an arm as ``--arms`` names it: an experiments/arms.py name, optionally
-    with more overrides in brackets, ``;``-separated — e.g. ``fa2-stable[model.logits_dtype=bfloat16]``
-    (a named option timed beside the arm itself)."""
-    from experiments import arms as arms_lib
-
+def _arm_parts(spec: str) -> tuple[str, list[str]]:
     name, _, extra = spec.partition("[")
     if extra and not extra.endswith("]"):
         raise ValueError(f"arm {spec!r}: expected NAME or NAME[KEY=VALUE;...]")
-    return arms_lib.overrides(name) + [o for o in extra[:-1].split(";") if o]
+    return name, [o for o in extra[:-1].split(";") if o]
+
+
+def arm_overrides(spec: str) -> list[str]:
+    """Config overrides of an arm as ``--arms`` names it: an experiments/arms.py name, optionally
+    with more overrides in brackets, ``;``-separated — e.g. ``fa2-stable[model.logits_dtype=bfloat16]``
+    (a named option timed beside the arm itself). Entries that start with ``--xla_`` are XLA flags
+    for that arm's process (``arm_xla_flags``), not overrides."""
+    from experiments import arms as arms_lib
+
+    name, extra = _arm_parts(spec)
+    return arms_lib.overrides(name) + [o for o in extra if not o.startswith("--xla_")]
+
+
+def arm_xla_flags(spec: str) -> list[str]:
+    """The XLA flags an arm's brackets name, e.g. ``fa2-stable[--xla_gpu_enable_command_buffer=]``:
+    added to ``XLA_FLAGS`` for that arm's process alone, so that what a compiler setting moves is
+    timed beside the arm without it."""
+    return [o for o in _arm_parts(spec)[1] if o.startswith("--xla_")]
 
 
 def _configs(args):
@@ -404,7 +417,12 @@ def run_all(args) -> dict:
                 timeout = min(timeout, max(args.budget - elapsed, 1.0))
             print(f"[{arm} b{batch}] started at {elapsed:.0f} s (time limit {timeout:.0f} s)", flush=True)
             log = work / f"log-{i}.txt"
-            rc, secs = _launch(cmd, env, timeout, log)
+            flags = arm_xla_flags(arm) if kind == "jax" else []
+            if flags:
+                run["xla_flags"] = flags
+            arm_env = dict(env, XLA_FLAGS=" ".join([env.get("XLA_FLAGS", ""), *flags]).strip()) \
+                if flags else env
+            rc, secs = _launch(cmd, arm_env, timeout, log)
             took["profile" if profile else kind].append(secs)
             for line in _tail(log, args.log_lines if rc == 0 else max(args.log_lines, 200)):
                 print(f"[{arm} b{batch}] {line}", flush=True)
@@ -557,7 +575,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
     ap.add_argument("--batch", default="32", help="micro-batches, comma-separated, e.g. 32,16")
     ap.add_argument("--arms", default=DEFAULT_ARMS,
-                    help="experiments/arms.py names, each optionally NAME[KEY=VALUE;...] (more overrides)")
+                    help="experiments/arms.py names, each optionally NAME[KEY=VALUE;...] (more "
+                         "overrides; entries starting --xla_ are XLA flags for that arm alone)")
     ap.add_argument("--primary", default=None,
                     help="arm run first at each micro-batch and profiled (default fa2-stable if listed)")
     ap.add_argument("--preset", default="small-gpu")

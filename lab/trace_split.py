@@ -504,8 +504,8 @@ def families(events: list[dict], index: HloIndex | None = None, steps: int = 1,
 
 # PyTorch's kernels by name alone (no HLO to read): Inductor names a generated kernel after the ops
 # it fused (``triton_poi_fused_gelu_…``, ``triton_per_fused_add_native_layer_norm_…``), ATen and
-# cuBLAS after the op. First rule that holds wins; the loss before layer norms and elementwise, since
-# Inductor fuses its casts and softmax into one kernel.
+# cuBLAS after the op. First rule that holds wins; the loss before layer norms and elementwise,
+# since Inductor fuses its casts and softmax into one kernel.
 _TORCH_RULES = (
     ("attention", re.compile(r"flash|fmha|sdpa|attention")),
     ("matmul", _GEMM_NAME),
@@ -543,7 +543,8 @@ def torch_families(events: list[dict], steps: int = 1) -> dict:
     total = sum(fam.values()) / steps
     return {"steps": steps, "total_ms": total, "busy_ms": _union(iv) / 1e3 / steps,
             "span_ms": span / steps, "families_ms": {k: v / steps for k, v in fam.items()},
-            "attributed_ms": {"hlo_op": 0.0, "kernel name = HLO op": 0.0, "kernel name only": total},
+            "attributed_ms": {"hlo_op": 0.0, "kernel name = HLO op": 0.0,
+                              "kernel name only": total},
             "foreign_events": 0, "kernels": kernels}
 
 

@@ -458,8 +458,8 @@ class Block(nnx.Module):
 
     def fused(self, x, h, ln_next, capture: dict | None = None):
         """The block under ``layernorm="pallas"``: ``h`` is ``ln_1(x)``, computed by the caller;
-        each residual addition runs with the LayerNorm after it (``models.layernorm.add_layer_norm``:
-        the same values as apart). Returns the block's output and ``ln_next`` of it."""
+        each residual addition runs with the LayerNorm after it
+        (``models.layernorm.add_layer_norm``: the same values as apart). Returns the block's output and ``ln_next`` of it."""
         from models.layernorm import add_layer_norm
 
         if capture is not None:

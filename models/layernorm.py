@@ -233,7 +233,8 @@ def add_layer_norm(x, r, scale, eps: float = 1e-5, out_dtype=jnp.float32):
 
 def _add_fwd(x, r, scale, eps, out_dtype):
     if r.dtype != jnp.dtype(out_dtype):
-        raise ValueError(f"add_layer_norm: r is {r.dtype}, expected out_dtype {jnp.dtype(out_dtype)}")
+        raise ValueError(f"add_layer_norm: r is {r.dtype}, expected out_dtype "
+                         f"{jnp.dtype(out_dtype)}")
     d = x.shape[-1]
     s, y, mean, rstd = _add_forward(x.reshape(-1, d), r.reshape(-1, d), scale, eps,
                                     jnp.dtype(out_dtype))

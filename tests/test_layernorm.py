@@ -98,9 +98,9 @@ def test_chunks_are_powers_of_two_dividing_the_width():
 
 
 def test_lowers_to_triton_for_cuda(monkeypatch):
-    """Forward and backward (and the fused addition's) lower to Triton modules for CUDA on a CPU (``jax.export``, the kernels
-    made to run compiled and the lowering told it targets an sm_90 GPU): Triton takes only
-    power-of-two tensors, which the row chunks keep to at GPT-2's width."""
+    """Forward and backward (and the fused addition's) lower to Triton modules for CUDA on a CPU
+    (``jax.export``, the kernels made to run compiled and the lowering told it targets an sm_90
+    GPU): Triton takes only power-of-two tensors, which the row chunks keep to at GPT-2's width."""
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     import models.layernorm as lnmod

@@ -115,7 +115,7 @@ def test_overrides_are_typed_and_nested():
     # JSON round trip
     again = C.from_dict(json.loads(C.to_json(cfg)))
     assert again == cfg
-    # a config written with a model option since removed loads when it asked for what is computed now
+    # a config written with a since-removed model option loads if it asked for what runs now
     stored = json.loads(C.to_json(cfg))
     stored["model"]["fused_qkv"] = False
     assert C.from_dict(stored) == cfg

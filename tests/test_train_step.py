@@ -305,6 +305,27 @@ def test_unknown_arm_is_refused():
         ts.main(["--arms", "fa2[model.logits_dtyp=bfloat16]", "--out", "/dev/null"])
 
 
+def test_an_arms_xla_flags_reach_only_its_process(tmp_path, monkeypatch):
+    """``--xla_…`` entries in an arm's brackets are XLA flags for that arm's worker (added to the
+    caller's XLA_FLAGS), not config overrides; the other arms run without them."""
+    arm = "fa2[model.layernorm=pallas;--xla_gpu_enable_command_buffer=]"
+    assert ts.arm_overrides(arm) == ts.arm_overrides("fa2") + ["model.layernorm=pallas"]
+    assert ts.arm_xla_flags(arm) == ["--xla_gpu_enable_command_buffer="]
+    fake = FakeRuns({("fa2", 4): 10.0, (arm, 4): 9.0}, {"jax": 1.0})
+    seen = {}
+
+    def launch(cmd, env, timeout, log_path):
+        seen[json.loads(Path(cmd[-1]).read_text())["arm"]] = env.get("XLA_FLAGS")
+        return fake.launch(cmd, env, timeout, log_path)
+
+    monkeypatch.setattr(ts, "_launch", launch)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    res = ts.main(["--arms", f"fa2,{arm}", "--batch", "4", "--out", str(tmp_path / "r.json")])
+    assert seen == {"fa2": "--xla_dump_to=/tmp/x",
+                    arm: "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer="}
+    assert [r.get("xla_flags") for r in res["runs"]] == [None, ["--xla_gpu_enable_command_buffer="]]
+
+
 def test_an_arm_with_more_overrides():
     """NAME[KEY=VALUE;...]: the arm's own overrides, then these — a named option timed beside it."""
     base = ts.arm_overrides("fa2-stable")
@@ -757,19 +778,19 @@ def test_families_by_kernel_name_alone():
 
 
 def test_torch_families_judge_pytorch_kernels_by_name():
-    """nanoGPT's profile: Inductor's generated kernels are named after the ops they fused, ATen's and
-    cuBLAS's after the op. Each family gets its kernels' time per step; CPU ops, Python frames and
+    """nanoGPT's profile: Inductor's generated kernels are named after the ops they fused, ATen's
+    and cuBLAS's after the op. Each family gets its kernels' time per step; CPU ops, Python frames and
     the CUDA runtime's calls are not kernel time; memcpy and memset are."""
-    k = lambda name, ts, dur, cat="kernel": {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
-                                            "pid": 0, "tid": 7}
+    def k(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
     ev = [k("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", 0, 400),
           k("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 400, 300),
           k("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", 700, 200),
           k("triton_per_fused__log_softmax__to_copy_view_0", 900, 120),
           k("triton_red_fused_add_native_layer_norm_native_layer_norm_backward_3", 1020, 60),
           k("triton_poi_fused_gelu_gelu_backward_view_5", 1080, 80),
-          k("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
-            1160, 30),
+          k("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 1160, 30),
           k("triton_poi_fused_add_9", 1190, 10),
           k("Memcpy HtoD (Pageable -> Device)", 1200, 5, cat="gpu_memcpy"),
           k("triton_red_fused_sum_12", 1205, 15),
