@@ -156,9 +156,7 @@ def _profile(step, sync, spec: dict, torch) -> dict:
     title = (f"Kernel time of one training step by op family: nanoGPT's step, micro-batch "
              f"{spec['micro_batch']}, {device}, torch {torch.__version__} (`python -m "
              f"bench.train_step … --profile DIR --profile-arms …,nanogpt`; kernels judged by name)")
-    (pdir / "profile.md").write_text(trace_split.families_markdown(res, title))
-    files.append("profile.md")
-    return {**res, "kernels": res["kernels"][:40], "files": files, "dir": str(pdir)}
+    return trace_split.profile_record(pdir, res, title, files)
 
 
 def main(argv=None):

@@ -174,9 +174,7 @@ def _profile(step, compiled, cfg, spec) -> dict:
     title = (f"Kernel time of one training step by op family: arm {spec['arm']}, micro-batch "
              f"{cfg.data.batch_size}, {jax.devices()[0].device_kind}, jax {jax.__version__} "
              f"(`python -m bench.train_step … --profile DIR`)")
-    (pdir / "profile.md").write_text(trace_split.families_markdown(res, title))
-    files.append("profile.md")
-    return {**res, "kernels": res["kernels"][:40], "files": files, "dir": str(pdir)}
+    return trace_split.profile_record(pdir, res, title, files)
 
 
 # ----------------------------------------------------------------------------- the parent

@@ -548,6 +548,15 @@ def torch_families(events: list[dict], steps: int = 1) -> dict:
             "foreign_events": 0, "kernels": kernels}
 
 
+def profile_record(pdir, res: dict, title: str, files: list[str]) -> dict:
+    """Writes ``pdir``/profile.md (``families_markdown``) beside the ``files`` already there and
+    returns what a results file keeps of a profile: the families, the 40 largest kernels, the files."""
+    from pathlib import Path
+
+    (Path(pdir) / "profile.md").write_text(families_markdown(res, title))
+    return {**res, "kernels": res["kernels"][:40], "files": [*files, "profile.md"], "dir": str(pdir)}
+
+
 def families_markdown(res: dict, title: str = "", top: int = 12) -> str:
     """A families table (ms per step, share of kernel time), then the largest kernels."""
     total = res["total_ms"] or float("nan")

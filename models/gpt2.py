@@ -122,8 +122,8 @@ class GPTConfig:
     # how the exact GELU's normal CDF is computed, in FP32: "erfc" is jax.nn.gelu's x·erfc(−x/√2)/2;
     # "erf" is x·(1 + erf(x/√2))/2, the form PyTorch's exact GELU computes. The same function;
     # XLA's erf is one rational polynomial where its erfc takes an exp and two divisions, so "erf"
-    # is cheaper, and it loses relative accuracy in the far negative tail (absolute error stays
-    # near |x|·2⁻²⁴). Last bits differ, so it is a named option
+    # is cheaper, and it loses relative accuracy in the far negative tail (its absolute error there
+    # is a few |x|·2⁻²⁴). Last bits differ, so it is a named option
     gelu: str = "erfc"
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
     # kernel per pass (models/layernorm.py), each residual addition in the kernels of the LayerNorm
@@ -458,8 +458,9 @@ class Block(nnx.Module):
 
     def fused(self, x, h, ln_next, capture: dict | None = None):
         """The block under ``layernorm="pallas"``: ``h`` is ``ln_1(x)``, computed by the caller;
-        each residual addition runs with the LayerNorm after it
-        (``models.layernorm.add_layer_norm``: the same values as apart). Returns the block's output and ``ln_next`` of it."""
+        each residual addition runs with the LayerNorm after it (``models.layernorm.add_layer_norm``:
+        the values of the two apart, up to an FMA in the input gradient). Returns the block's output
+        and ``ln_next`` of it."""
         from models.layernorm import add_layer_norm
 
         if capture is not None:

@@ -120,81 +120,61 @@ def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, 
         dw_ref[0, pl.ds(i * c, c)] = jnp.sum(dy * xh, axis=0)
 
 
-def _forward(x2, w, eps, out_dtype):
-    n, d = x2.shape
-    c, br = chunk_width(d), _rows_per_program(n)
-    row = pl.BlockSpec((br, d), lambda i: (i, 0))
-    vec = pl.BlockSpec((br,), lambda i: (i,))
+def _call(kernel, n: int, d: int, ins, outs, name: str, *args):
+    """``kernel`` over programs of whole rows of an ``[n, d]`` array. ``ins`` name each operand's
+    block: "row" (the program's rows), "scale" (the whole scale); ``outs`` each output's block and
+    dtype: "row", "vec" (one number a row) or "part" (one row of d a program)."""
+    br = _rows_per_program(n)
+    spec = {"row": pl.BlockSpec((br, d), lambda i: (i, 0)),
+            "vec": pl.BlockSpec((br,), lambda i: (i,)),
+            "scale": pl.BlockSpec((d,), lambda i: (0,)),
+            "part": pl.BlockSpec((1, d), lambda i: (i, 0))}
+    shape = {"row": (n, d), "vec": (n,), "part": (n // br, d)}
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, d=d, c=c, eps=eps),
+        kernel,
         grid=(n // br,),
-        in_specs=[row, pl.BlockSpec((d,), lambda i: (0,))],
-        out_specs=[row, vec, vec],
-        out_shape=[jax.ShapeDtypeStruct((n, d), out_dtype),
-                   jax.ShapeDtypeStruct((n,), jnp.float32),
-                   jax.ShapeDtypeStruct((n,), jnp.float32)],
+        in_specs=[spec[k] for k in ins],
+        out_specs=[spec[k] for k, _ in outs],
+        out_shape=[jax.ShapeDtypeStruct(shape[k], dt) for k, dt in outs],
         interpret=_interpret(),
         compiler_params=_compiler_params(),
-        name="model_layernorm_fwd",
-    )(x2, w)
+        name=name,
+    )(*args)
+
+
+F32 = jnp.float32
+
+
+def _forward(x2, w, eps, out_dtype):
+    n, d = x2.shape
+    kernel = functools.partial(_fwd_kernel, d=d, c=chunk_width(d), eps=eps)
+    return _call(kernel, n, d, ("row", "scale"), (("row", out_dtype), ("vec", F32), ("vec", F32)),
+                 "model_layernorm_fwd", x2, w)
 
 
 def _backward(x2, w, mean, rstd, dy2):
     n, d = x2.shape
-    c, br = chunk_width(d), _rows_per_program(n)
-    row = pl.BlockSpec((br, d), lambda i: (i, 0))
-    vec = pl.BlockSpec((br,), lambda i: (i,))
-    dx, dw_parts = pl.pallas_call(
-        functools.partial(_bwd_kernel, d=d, c=c),
-        grid=(n // br,),
-        in_specs=[row, pl.BlockSpec((d,), lambda i: (0,)), vec, vec, row],
-        out_specs=[row, pl.BlockSpec((1, d), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((n, d), x2.dtype),
-                   jax.ShapeDtypeStruct((n // br, d), jnp.float32)],
-        interpret=_interpret(),
-        compiler_params=_compiler_params(),
-        name="model_layernorm_bwd",
-    )(x2, w, mean, rstd, dy2)
+    kernel = functools.partial(_bwd_kernel, d=d, c=chunk_width(d))
+    dx, dw_parts = _call(kernel, n, d, ("row", "scale", "vec", "vec", "row"),
+                         (("row", x2.dtype), ("part", F32)), "model_layernorm_bwd",
+                         x2, w, mean, rstd, dy2)
     return dx, jnp.sum(dw_parts, axis=0)
 
 
 def _add_forward(x2, r2, w, eps, out_dtype):
     n, d = x2.shape
-    c, br = chunk_width(d), _rows_per_program(n)
-    row = pl.BlockSpec((br, d), lambda i: (i, 0))
-    vec = pl.BlockSpec((br,), lambda i: (i,))
-    return pl.pallas_call(
-        functools.partial(_add_fwd_kernel, d=d, c=c, eps=eps),
-        grid=(n // br,),
-        in_specs=[row, row, pl.BlockSpec((d,), lambda i: (0,))],
-        out_specs=[row, row, vec, vec],
-        out_shape=[jax.ShapeDtypeStruct((n, d), x2.dtype),
-                   jax.ShapeDtypeStruct((n, d), out_dtype),
-                   jax.ShapeDtypeStruct((n,), jnp.float32),
-                   jax.ShapeDtypeStruct((n,), jnp.float32)],
-        interpret=_interpret(),
-        compiler_params=_compiler_params(),
-        name="model_add_layernorm_fwd",
-    )(x2, r2, w)
+    kernel = functools.partial(_add_fwd_kernel, d=d, c=chunk_width(d), eps=eps)
+    return _call(kernel, n, d, ("row", "row", "scale"),
+                 (("row", x2.dtype), ("row", out_dtype), ("vec", F32), ("vec", F32)),
+                 "model_add_layernorm_fwd", x2, r2, w)
 
 
 def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype):
     n, d = s2.shape
-    c, br = chunk_width(d), _rows_per_program(n)
-    row = pl.BlockSpec((br, d), lambda i: (i, 0))
-    vec = pl.BlockSpec((br,), lambda i: (i,))
-    ds, dr, dw_parts = pl.pallas_call(
-        functools.partial(_add_bwd_kernel, d=d, c=c),
-        grid=(n // br,),
-        in_specs=[row, pl.BlockSpec((d,), lambda i: (0,)), vec, vec, row, row],
-        out_specs=[row, row, pl.BlockSpec((1, d), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((n, d), s2.dtype),
-                   jax.ShapeDtypeStruct((n, d), r_dtype),
-                   jax.ShapeDtypeStruct((n // br, d), jnp.float32)],
-        interpret=_interpret(),
-        compiler_params=_compiler_params(),
-        name="model_add_layernorm_bwd",
-    )(s2, w, mean, rstd, dy2, gs2)
+    kernel = functools.partial(_add_bwd_kernel, d=d, c=chunk_width(d))
+    ds, dr, dw_parts = _call(kernel, n, d, ("row", "scale", "vec", "vec", "row", "row"),
+                             (("row", s2.dtype), ("row", r_dtype), ("part", F32)),
+                             "model_add_layernorm_bwd", s2, w, mean, rstd, dy2, gs2)
     return ds, dr, jnp.sum(dw_parts, axis=0)
 
 
@@ -226,8 +206,9 @@ def add_layer_norm(x, r, scale, eps: float = 1e-5, out_dtype=jnp.float32):
     """``(s, layer_norm(s, scale, eps, out_dtype))`` with ``s = x + r`` (``r`` upcast to ``x``'s
     dtype first, as XLA adds them): a residual addition and the next LayerNorm in one kernel each
     way. ``r`` is in ``out_dtype`` (a branch's output in the compute dtype); its gradient is the
-    sum's, cast to it. The same values as the two apart: the backward adds the sum's own cotangent
-    to the LayerNorm's input gradient as autodiff adds the two (tests/test_layernorm.py)."""
+    sum's, cast to it. The values of the two apart, except that the backward adds the sum's own
+    cotangent to the LayerNorm's last product in the kernel, where a compiler may make the two one
+    FMA (the bound in tests/helpers.py)."""
     return _add_fwd(x, r, scale, eps, out_dtype)[0]
 
 
