@@ -135,9 +135,9 @@ def _profile(step, sync, spec: dict, torch) -> dict:
     pdir = Path(spec["profile"])
     pdir.mkdir(parents=True, exist_ok=True)
     n = spec["profile_steps"]
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    # kernels only on a GPU (a small trace); a CPU run has only its ops to show
+    acts = [torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available()
+            else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(n):
             step()
