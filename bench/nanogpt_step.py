@@ -120,9 +120,6 @@ def run(spec: dict) -> dict:
     }
 
 
-MAX_PROFILE_FILE = 15 << 20  # bytes: the device machine returns files of up to 16 MiB
-
-
 def _profile(step, sync, spec: dict, torch) -> dict:
     """``spec["profile_steps"]`` steps under PyTorch's profiler: the trace (gzipped) and
     ``profile.md``, kernel time by op family as ``bench.train_step`` gives it for a JAX arm (judged
@@ -148,7 +145,7 @@ def _profile(step, sync, spec: dict, torch) -> dict:
     packed = gzip.compress(raw.read_bytes())
     os.remove(raw)
     files = []
-    if len(packed) <= MAX_PROFILE_FILE:
+    if len(packed) <= trace_split.MAX_PROFILE_FILE:
         (pdir / "trace.json.gz").write_bytes(packed)
         files.append("trace.json.gz")
     res = trace_split.torch_families(events, steps=n)

@@ -57,7 +57,6 @@ DEFAULT_ARMS = "fa2,fa2-stable,cudnn"
 # Guesses of a run's seconds (start, compile, steps) used to decide whether the next one still fits
 # the budget, until a run of the same kind has been timed.
 FIRST_GUESS_S = {"jax": 90.0, "torch": 120.0}
-MAX_PROFILE_FILE = 15 << 20  # bytes: the device machine returns files of up to 16 MiB
 _clock = time.perf_counter  # the parent's clock for the budget (tests replace it)
 
 
@@ -161,14 +160,14 @@ def _profile(step, compiled, cfg, spec) -> dict:
         trace = trace_split.trace_file(tmp)
         events = trace_split.load_trace(trace)
         files = []
-        if os.path.getsize(trace) <= MAX_PROFILE_FILE:
+        if os.path.getsize(trace) <= trace_split.MAX_PROFILE_FILE:
             shutil.copy(trace, pdir / "trace.json.gz")
             files.append("trace.json.gz")
     hlo = compiled.as_text()
     index = trace_split.HloIndex(hlo)
     res = trace_split.families(events, index, steps=n, vocab=cfg.model.vocab_size)
     packed = gzip.compress(hlo.encode())
-    if len(packed) <= MAX_PROFILE_FILE:
+    if len(packed) <= trace_split.MAX_PROFILE_FILE:
         (pdir / "hlo.txt.gz").write_bytes(packed)
         files.append("hlo.txt.gz")
     title = (f"Kernel time of one training step by op family: arm {spec['arm']}, micro-batch "

@@ -468,12 +468,9 @@ def families(events: list[dict], index: HloIndex | None = None, steps: int = 1,
     """Kernel time per family, per step (ms), over ``steps`` steps traced back to back, with the
     device's busy time and the span from the first kernel's start to the last one's end."""
     ev, foreign = kernel_events(events, index.module if index is not None else None)
-    fam = {k: 0.0 for k in FAMILIES}
-    how = {"hlo_op": 0.0, "kernel name = HLO op": 0.0, "kernel name only": 0.0}
-    rows: dict[tuple, dict] = {}
-    for e in ev:
+
+    def judge(e):
         args = e.get("args") or {}
-        name, dur = e["name"], e.get("dur", 0.0) / 1e3
         op, via = None, "kernel name only"
         if index is not None:
             # the trace's hlo_op names the launching instruction, unless it is a wrapper (a loop,
@@ -481,9 +478,22 @@ def families(events: list[dict], index: HloIndex | None = None, steps: int = 1,
             by_op = index.lookup(args["hlo_op"]) if args.get("hlo_op") else None
             if by_op and index.instrs[by_op]["opcode"] not in _WRAPPERS:
                 op, via = by_op, "hlo_op"
-            elif index.lookup(name):
-                op, via = index.lookup(name), "kernel name = HLO op"
-        family, rule = classify(name, index.info(op) if op else None, vocab)
+            elif index.lookup(e["name"]):
+                op, via = index.lookup(e["name"]), "kernel name = HLO op"
+        return (op, *classify(e["name"], index.info(op) if op else None, vocab), via)
+
+    return _tally(ev, judge, steps, foreign)
+
+
+def _tally(ev: list[dict], judge, steps: int, foreign: int = 0) -> dict:
+    """Kernel time of events ``ev`` per step: by family, by how each was placed, and per kernel;
+    ``judge(event)`` gives (HLO op or None, family, rule, how placed)."""
+    fam = {k: 0.0 for k in FAMILIES}
+    how = {"hlo_op": 0.0, "kernel name = HLO op": 0.0, "kernel name only": 0.0}
+    rows: dict[tuple, dict] = {}
+    for e in ev:
+        name, dur = e["name"], e.get("dur", 0.0) / 1e3
+        op, family, rule, via = judge(e)
         fam[family] += dur
         how[via] += dur
         r = rows.setdefault((name, op), {"kernel": name, "hlo_op": op, "family": family, "rule": rule,
@@ -525,27 +535,15 @@ def torch_families(events: list[dict], steps: int = 1) -> dict:
           and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not ev:
         ev = _innermost([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
-    fam = {k: 0.0 for k in FAMILIES}
-    rows: dict[str, dict] = {}
-    for e in ev:
-        name, dur = e["name"], e.get("dur", 0.0) / 1e3
-        family = next((f for f, rule in _TORCH_RULES if rule.search(name.lower())), "other")
-        fam[family] += dur
-        r = rows.setdefault(name, {"kernel": name, "hlo_op": None, "family": family,
-                                   "rule": "kernel name", "ms": 0.0, "launches": 0})
-        r["ms"] += dur
-        r["launches"] += 1
-    iv = [(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ev]
-    span = (max(b for _, b in iv) - min(a for a, _ in iv)) / 1e3 if iv else 0.0
-    kernels = sorted(rows.values(), key=lambda r: -r["ms"])
-    for r in kernels:
-        r["ms"], r["launches"] = r["ms"] / steps, r["launches"] / steps
-    total = sum(fam.values()) / steps
-    return {"steps": steps, "total_ms": total, "busy_ms": _union(iv) / 1e3 / steps,
-            "span_ms": span / steps, "families_ms": {k: v / steps for k, v in fam.items()},
-            "attributed_ms": {"hlo_op": 0.0, "kernel name = HLO op": 0.0,
-                              "kernel name only": total},
-            "foreign_events": 0, "kernels": kernels}
+
+    def judge(e):
+        family = next((f for f, rule in _TORCH_RULES if rule.search(e["name"].lower())), "other")
+        return None, family, "kernel name", "kernel name only"
+
+    return _tally(ev, judge, steps)
+
+
+MAX_PROFILE_FILE = 15 << 20  # bytes: the device machine returns files of up to 16 MiB
 
 
 def profile_record(pdir, res: dict, title: str, files: list[str]) -> dict:

@@ -500,22 +500,20 @@ class GPT(nnx.Module):
         x = self.wte(idx) + self.wpe(jnp.arange(t))[None]
         captures = [] if return_intermediates else None
         dt = _dt(cfg.dtype)
-        if cfg.layernorm == "pallas":  # each residual addition fused with the LayerNorm after it
-            h = _normed(self.blocks[0].ln_1, x, dt, "pallas")
-            lns = [b.ln_1 for b in self.blocks[1:]] + [self.ln_f]
-            for block, ln_next in zip(self.blocks, lns):
-                cap = {} if return_intermediates else None
+        # under "pallas" each residual addition runs with the LayerNorm after it: h is ln_1(x)
+        fused = cfg.layernorm == "pallas"
+        h = _normed(self.blocks[0].ln_1, x, dt, "pallas") if fused else None
+        nexts = [b.ln_1 for b in self.blocks[1:]] + [self.ln_f]
+        for block, ln_next in zip(self.blocks, nexts):
+            cap = {} if return_intermediates else None
+            if fused:
                 x, h = block.fused(x, h, ln_next, cap)
-                if return_intermediates:
-                    captures.append(cap)
-            x = h
-        else:
-            for block in self.blocks:
-                cap = {} if return_intermediates else None
+            else:
                 x = block(x, cap)
-                if return_intermediates:
-                    captures.append(cap)
-            x = _normed(self.ln_f, x, dt, cfg.layernorm)  # the head takes x in the compute dtype
+            if return_intermediates:
+                captures.append(cap)
+        # the head takes x normalised in the compute dtype
+        x = h if fused else _normed(self.ln_f, x, dt, cfg.layernorm)
         # the head's output dtype: FP32, or bf16 as autocast makes it — then the gradient of the
         # logits is bf16 too and the head's backward GEMMs run in bf16, as nanoGPT's do
         out_dt = _dt(cfg.logits_dtype)

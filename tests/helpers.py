@@ -435,8 +435,8 @@ def assert_gelu_erf_within_bound():
 
 def assert_add_layer_norm_is_the_pair(rng, jit: bool):
     """``models.layernorm.add_layer_norm`` against x + r then ``layer_norm``, GPT-2's width,
-    cotangents on both outputs: the sum, the normalised row and the scale's gradient bit for bit (the same
-    additions, roundings and sums in other kernels). The input gradient adds the sum's cotangent to
+    cotangents on both outputs: the sum, the normalised row and the scale's gradient bit for bit
+    (the same additions, roundings and sums in other kernels). The input gradient adds the sum's cotangent to
     the LayerNorm's last product inside the kernel, where a compiler may contract the two into one
     FMA, skipping the product's rounding: each way is within half an ulp of the sum (plus half an
     ulp of the product apart) of the exact value, so the two differ by at most ulp(ds) + ½ulp(dx)
