@@ -517,7 +517,7 @@ def _tally(ev: list[dict], judge, steps: int, foreign: int = 0) -> dict:
 # cuBLAS after the op. First rule that holds wins; the loss before layer norms and elementwise,
 # since Inductor fuses its casts and softmax into one kernel.
 _TORCH_RULES = (
-    ("attention", re.compile(r"flash|fmha|sdpa|attention")),
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn")),  # cuDNN: its SDPA passes
     ("matmul", _GEMM_NAME),
     ("logits_ce", re.compile(r"log_softmax|nll_loss|cross_entropy")),
     ("layernorm", re.compile(r"layer_norm")),
