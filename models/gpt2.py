@@ -582,12 +582,30 @@ def _cross_entropy_rows(logits, targets):
     amax = checkpoint_name(amax, "ce_row_max")
     sumexp = checkpoint_name(jnp.sum(jnp.exp(x - amax), axis=-1, keepdims=True), "ce_row_sumexp")
     lse = (jnp.log(jnp.abs(sumexp)) + amax)[..., 0]
-    # the target's logit as a masked row sum (one nonzero term: exactly the gathered value); its
-    # gradient is then a select, which XLA fuses into the one pass that writes the bf16 gradient,
-    # where a gather's is a scatter into an FP32 array written and read again
-    hit = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets[..., None]
-    tgt = jnp.sum(jnp.where(hit, x, 0.0), axis=-1)
-    return jnp.mean(lse - tgt)
+    return jnp.mean(lse - _target_logit(x.shape[-1], x, targets))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _target_logit(vocab, x, targets):
+    """``x[..., targets]`` (``vocab`` is x's last dimension): gathered in the forward, its gradient
+    a select in the backward — the gradient autodiff gives the masked row sum Σ where(hit, x, 0),
+    the same value. A gather's own gradient is a scatter into an FP32 array, written and read again,
+    which XLA does not fuse with the pass that writes the logits' gradient; the masked sum's
+    forward reads all the logits once more."""
+    return jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+
+
+def _target_logit_fwd(vocab, x, targets):
+    return _target_logit(vocab, x, targets), targets
+
+
+def _target_logit_bwd(vocab, targets, g):
+    shape = (*targets.shape, vocab)
+    hit = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) == targets[..., None]
+    return jnp.where(hit, g[..., None], jnp.zeros((), g.dtype)), None
+
+
+_target_logit.defvjp(_target_logit_fwd, _target_logit_bwd)
 
 
 _cross_entropy_low_precision = jax.checkpoint(

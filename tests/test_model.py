@@ -315,7 +315,8 @@ def test_cross_entropy_of_bf16_logits_is_autodiffs_and_keeps_no_fp32_copy():
     """cross_entropy of bf16 logits (the model's under ``logits_dtype="bfloat16"``): loss and
     gradient bit-identical to autodiff's of the upcast logits, eager and compiled; for its backward
     it keeps the bf16 logits and two FP32 numbers a row, where autodiff keeps an FP32 array of the
-    logits' shape."""
+    logits' shape; its forward reduces over the logits twice (row max, sum of exponentials), the
+    target's logit gathered."""
     k1, k2 = jax.random.split(jax.random.key(3))
     logits = (4.0 * jax.random.normal(k1, (3, 40, 1000))).astype(jnp.bfloat16)
     targets = jax.random.randint(k2, (3, 40), 0, 1000)
@@ -333,6 +334,21 @@ def test_cross_entropy_of_bf16_logits_is_autodiffs_and_keeps_no_fp32_copy():
     assert sorted(kept(cross_entropy), key=str) == sorted(
         [(logits.shape, jnp.bfloat16), ((3, 40, 1), jnp.float32), ((3, 40, 1), jnp.float32),
          (targets.shape, jnp.int32)], key=str)
+
+    from jax.extend.core import jaxprs_in_params
+
+    def vocab_reductions(jaxpr):
+        found = []
+        for e in jaxpr.eqns:
+            if e.primitive.name.startswith("reduce_") and e.invars[0].aval.shape == logits.shape:
+                found.append(e.primitive.name)
+            for sub in jaxprs_in_params(e.params):
+                found += vocab_reductions(sub)
+        return found
+
+    for f in (cross_entropy, jax.value_and_grad(cross_entropy)):
+        assert vocab_reductions(jax.make_jaxpr(f)(logits, targets).jaxpr) == ["reduce_max",
+                                                                              "reduce_sum"]
 
 
 def test_head_grad_option_rounds_only_the_logits_gradient(rng):
