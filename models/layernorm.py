@@ -107,17 +107,34 @@ def _add_bwd_kernel(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, gs_ref, ds_ref, dr
 
 
 def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, store):
-    """The LayerNorm's input gradient per chunk (handed to ``store``) and d(scale)'s partial."""
+    """The LayerNorm's input gradient per chunk (handed to ``store``) and d(scale)'s partial.
+
+    Two loops over the chunks: the first sums mean(g·x̂) and mean(g) and writes d(scale)'s partial,
+    the second reads the chunks again and stores the input gradient. Holding every chunk of x̂, dy
+    and g for the second use instead needs more registers than a thread has."""
     mean, rstd = mean_ref[...], rstd_ref[...]
-    xhat = [(x.astype(jnp.float32) - mean[:, None]) * rstd[:, None] for x in _chunks(x_ref, d, c)]
-    dys = [g.astype(jnp.float32) for g in _chunks(dy_ref, d, c)]
-    ws = [w_ref[pl.ds(i * c, c)].astype(jnp.float32) for i in range(d // c)]
-    gs = [g * w[None, :] for g, w in zip(dys, ws)]
-    c1 = sum(jnp.sum(g * xh, axis=1) for g, xh in zip(gs, xhat)) / d  # mean(g·x̂)
-    c2 = sum(jnp.sum(g, axis=1) for g in gs) / d  # mean(g)
-    for i, (g, xh, dy) in enumerate(zip(gs, xhat, dys)):
-        store(i, (g - c2[:, None] - xh * c1[:, None]) * rstd[:, None])
+
+    def chunk(i):
+        cols = pl.ds(i * c, c)
+        xh = (x_ref[:, cols].astype(jnp.float32) - mean[:, None]) * rstd[:, None]
+        dy = dy_ref[:, cols].astype(jnp.float32)
+        return xh, dy, dy * w_ref[cols].astype(jnp.float32)[None, :]
+
+    def sums(i, acc):
+        xh, dy, g = chunk(i)
         dw_ref[0, pl.ds(i * c, c)] = jnp.sum(dy * xh, axis=0)
+        return acc[0] + jnp.sum(g * xh, axis=1), acc[1] + jnp.sum(g, axis=1)
+
+    zero = jnp.zeros(mean.shape, jnp.float32)
+    s1, s2 = lax.fori_loop(0, d // c, sums, (zero, zero))
+    c1, c2 = s1 / d, s2 / d  # mean(g·x̂), mean(g)
+
+    def grads(i, carry):
+        xh, _, g = chunk(i)
+        store(i, (g - c2[:, None] - xh * c1[:, None]) * rstd[:, None])
+        return carry
+
+    lax.fori_loop(0, d // c, grads, 0)
 
 
 def _call(kernel, n: int, d: int, ins, outs, name: str, *args):
