@@ -129,6 +129,10 @@ class GPTConfig:
     # kernel per pass (models/layernorm.py), each residual addition in the kernels of the LayerNorm
     # after it; its FP32 sums in another order: last bits differ
     layernorm: str = "xla"
+    # the loss: "xla", the ops of jax.nn.logsumexp (bit-identical to autodiff's of the logits upcast
+    # to FP32); "pallas", two Pallas kernels that read the logits once each way
+    # (models/loss_kernels.py): the sum of exponentials in another order, last bits differ
+    cross_entropy: str = "xla"
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
     # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
@@ -159,6 +163,8 @@ class GPTConfig:
             raise choice_error("gelu", self.gelu, GELUS)
         if self.layernorm not in LAYERNORMS:
             raise choice_error("layernorm", self.layernorm, LAYERNORMS)
+        if self.cross_entropy not in CROSS_ENTROPIES:
+            raise choice_error("cross_entropy", self.cross_entropy, CROSS_ENTROPIES)
         if not (isinstance(self.init_std, (int, float)) and math.isfinite(self.init_std)
                 and self.init_std > 0):
             raise ValueError(f"init_std must be a finite number > 0, got {self.init_std!r}")
@@ -415,6 +421,7 @@ gelu_from_input.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 LAYERNORMS = ("xla", "pallas")
+CROSS_ENTROPIES = ("xla", "pallas")
 
 
 def _normed(ln, x, dtype, kind: str):
@@ -555,8 +562,9 @@ def _head_rounded_grad_bwd(out_dt, grad_dt, res, g):
 _head_rounded_grad.defvjp(_head_rounded_grad_fwd, _head_rounded_grad_bwd)
 
 
-def cross_entropy(logits, targets):
-    """Mean token cross-entropy in FP32, of FP32 or lower-precision logits.
+def cross_entropy(logits, targets, impl: str = "xla"):
+    """Mean token cross-entropy in FP32, of FP32 or lower-precision logits; ``impl`` as
+    ``GPTConfig.cross_entropy`` (what follows describes "xla").
 
     Lower-precision logits (``logits_dtype="bfloat16"``) are kept as they are for the backward, with
     each row's max and sum of exponentials; the backward recomputes the exponentials in the pass that
@@ -566,6 +574,12 @@ def cross_entropy(logits, targets):
     (tests/test_model.py checks them bit for bit on the device the tests run on).
     """
     targets = targets.astype(jnp.int32)
+    if impl == "pallas":
+        from models.loss_kernels import cross_entropy as kernels
+
+        return kernels(logits, targets)
+    if impl != "xla":
+        raise choice_error("cross_entropy", impl, CROSS_ENTROPIES)
     if logits.dtype != jnp.float32:
         return _cross_entropy_low_precision(logits, targets)
     lse = jax.nn.logsumexp(logits, axis=-1)

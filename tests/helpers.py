@@ -472,3 +472,81 @@ def assert_add_layer_norm_is_the_pair(rng, jit: bool):
     assert np.all(np.abs(np.asarray(got[1][0]) - np.asarray(want[1][0])) <= bound)
     chex.assert_trees_all_equal(got[1][1], got[1][0].astype(jnp.bfloat16))
     return x, r
+
+
+def cross_entropy_bounds(x64, targets, pieces):
+    """Exact values and error bounds for ``models.loss_kernels`` on logits ``x64`` ``[N, V]``
+    (float64 copies of the bf16 inputs, −inf allowed) and ``targets`` ``[N]``; ``pieces`` is
+    ``loss_kernels.pieces(V)``: (chunk c, full chunks n, remainder widths).
+
+    With y = m − x ≥ 0 (m the row max, exact: a max of bf16 values) and p the softmax:
+    - each exp(x − shift) carries its argument's rounding, u·y, and the exp's own error, taken
+      as 4u (the GPU's approximate exp2 is within 2⁻²² relative; XLA's exp within that) — summed
+      with the weights p: u·Σp·y + 4u;
+    - each of the ``steps`` rescalings by exp(m_old − m_new) adds 4u + u (the product), and their
+      arguments' roundings add up to u·(m − the row's finite minimum);
+    - a sum of positive terms in any order is within (terms − 1)·u relative: c − 1 inside a chunk
+      and ``steps`` across them.
+    So s is within rel_s = 4u·(1 + steps) + u·(Σp·y + range + c − 1 + 2·steps), first order (times
+    1.01 for the rest), and log s + m within that of the exact log-sum-exp. The loss adds the FP32
+    log (2 ulps), the row's subtraction and the mean's N − 1 additions and division. The gradient
+    (p − [target])/N per element adds 1/N's and 1/s's roundings, its exp (4u + u·y), the product,
+    and the target's subtraction (u of the result), then FP32's flush below 2⁻¹²⁶; the caller adds
+    half an ulp, in the logits' dtype, of the value it got for the final rounding.
+
+    Returns (lse, rel_s, loss, loss_tol, grad, grad_tol) in float64."""
+    u = U32
+    c, n, rest = pieces
+    steps = n + len(rest)
+    rows = np.arange(x64.shape[0])
+    finite = np.isfinite(x64)
+    m = np.max(x64, axis=1)
+    y = np.where(finite, m[:, None] - x64, np.inf)
+    e = np.exp(-y)
+    s = e.sum(axis=1)
+    p = e / s[:, None]
+    py = np.sum(np.where(finite, p * np.where(finite, y, 0.0), 0.0), axis=1)
+    rng = m - np.min(np.where(finite, x64, np.inf), axis=1)
+    rel_s = 1.01 * (4 * u * (1 + steps) + u * (py + rng + c - 1 + 2 * steps))
+    lse = np.log(s) + m
+    row = lse - x64[rows, targets]
+    nrows = x64.shape[0]
+    loss = float(np.mean(row))
+    row_tol = rel_s + 2 * u * np.abs(np.log(s)) + u * np.abs(lse) + u * np.abs(row)
+    loss_tol = float(np.mean(row_tol) + (nrows + 1) * u * np.mean(np.abs(row)))
+    hit = np.zeros_like(x64)
+    hit[rows, targets] = 1.0
+    grad = (p - hit) / nrows
+    yf = np.where(finite, y, 0.0)
+    grad_tol = (1.01 * p / nrows * (rel_s[:, None] + 4 * u + u * yf + 4 * u)
+                + u * np.abs(grad) + 2.0 ** -126)
+    return lse, rel_s, loss, loss_tol, grad, grad_tol
+
+
+def half_ulp(a, dtype):
+    """Half an ulp of each |a| in ``dtype`` (bf16: 8 significant bits, FP32: 24; 0 at 0)."""
+    bits = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float32): 24}[jnp.dtype(dtype)]
+    a = np.abs(np.asarray(a, np.float64))
+    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    return np.where(a > 0, 2.0 ** (e - bits), 0.0)
+
+
+def assert_pallas_cross_entropy_within_bound(x, t):
+    """``models.loss_kernels`` on logits ``x`` ``[N, V]`` and targets ``t`` ``[N]``, compiled for
+    the default device: log-sum-exp from the row statistics, loss and gradient within
+    ``cross_entropy_bounds`` of float64's; the target's logit exact; the gradient in x's dtype."""
+    from models import loss_kernels as lk
+
+    m, s, tgt = jax.jit(lk.row_stats)(x, t)
+    x64, t64 = np.asarray(x, np.float64), np.asarray(t)
+    lse, rel_s, want_loss, loss_tol, want_grad, grad_tol = cross_entropy_bounds(
+        x64, t64, lk.pieces(x.shape[-1]))
+    got_lse = np.log(np.asarray(s, np.float64)) + np.asarray(m, np.float64)
+    assert np.all(np.abs(got_lse - lse) <= rel_s), float(np.max(np.abs(got_lse - lse) - rel_s))
+    np.testing.assert_array_equal(np.asarray(tgt), x64[np.arange(x.shape[0]), t64])
+    loss, grad = jax.jit(jax.value_and_grad(lk.cross_entropy))(x, t)
+    chex.assert_trees_all_equal_dtypes(grad, x)
+    assert abs(float(loss) - want_loss) <= loss_tol
+    got = np.asarray(grad, np.float64)
+    excess = np.abs(got - want_grad) - (grad_tol + half_ulp(got, x.dtype))
+    assert np.all(excess <= 0), float(np.max(excess))

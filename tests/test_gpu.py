@@ -17,6 +17,7 @@ import pytest
 import jax_flash as jf
 from jax_flash.pallas import tuning
 from helpers import (assert_add_layer_norm_is_the_pair, assert_gelu_erf_within_bound,
+                     assert_pallas_cross_entropy_within_bound,
                      fp32_cross_entropy_of_upcast, tied_inputs)
 
 pytestmark = pytest.mark.gpu
@@ -381,6 +382,15 @@ def test_gpu_add_layer_norm_is_the_pair():
     """The fused residual addition and LayerNorm compiled for the GPU (Triton): as the CPU test,
     ``helpers.assert_add_layer_norm_is_the_pair``."""
     assert_add_layer_norm_is_the_pair(np.random.default_rng(0), jit=True)
+
+
+def test_gpu_pallas_cross_entropy_within_its_bound():
+    """model.cross_entropy="pallas" compiled for the GPU (Triton) at GPT-2's vocabulary, 4,096 rows
+    of bf16 logits: as the CPU test, ``helpers.assert_pallas_cross_entropy_within_bound``."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    logits = (4.0 * jax.random.normal(k1, (4096, 50304))).astype(jnp.bfloat16)
+    targets = jax.random.randint(k2, (4096,), 0, 50304)
+    assert_pallas_cross_entropy_within_bound(logits, targets)
 
 
 def test_gpu_gelu_erf_form_within_its_bound():

@@ -218,8 +218,8 @@ def init_state(cfg: TrainConfig, params, tx) -> dict:
 
 
 def loss_fn(params, graphdef, x, y):
-    logits = nnx.merge(graphdef, params)(x)
-    return cross_entropy(logits, y)
+    model = nnx.merge(graphdef, params)
+    return cross_entropy(model(x), y, model.config.cross_entropy)
 
 
 def train_step(state: dict, batch, *, graphdef, tx, schedule):

@@ -146,7 +146,7 @@ def chain_tensors(model, x, y):
     def f(taps):
         with _tapped_attention(taps, plan) as outs:
             logits, caps = model(x, return_intermediates=True)
-        return G.cross_entropy(logits, y), (caps, outs)
+        return G.cross_entropy(logits, y, mcfg.cross_entropy), (caps, outs)
 
     loss, vjp_fn, (caps, outs) = jax.vjp(f, taps, has_aux=True)
     (dos,) = vjp_fn(jnp.ones_like(loss))

@@ -1,0 +1,68 @@
+"""models/loss_kernels.py: the cross-entropy's Pallas kernels (interpret mode here) against float64,
+within bounds derived from their FP32 arithmetic, and wired into the model as
+``GPTConfig.cross_entropy = "pallas"``."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_pallas_cross_entropy_within_bound
+from models import gpt2
+from models import loss_kernels as lk
+
+
+def _logits(seed, rows, v, dtype, scale=4.0):
+    """Logits with the cases the walk meets: a row of ties, a row spanning ±60, a row whose
+    max sits in the last remainder piece, and −inf entries (a masked vocabulary)."""
+    rng = np.random.default_rng(seed)
+    x = scale * rng.standard_normal((rows, v))
+    x[0] = 1.5  # every entry the max
+    x[1] *= 15.0
+    x[2, -1] = 40.0
+    x[3, : v // 3] = -np.inf
+    t = rng.integers(0, v, rows)
+    t[4], t[5], t[3] = 0, v - 1, v // 2
+    return jnp.asarray(x, dtype), jnp.asarray(t, jnp.int32)
+
+
+@pytest.mark.parametrize("v,dtype", [(1000, jnp.bfloat16), (2048 + 64 + 3, jnp.bfloat16),
+                                     (1000, jnp.float32)])
+def test_pallas_cross_entropy_within_its_bound(v, dtype):
+    """Row statistics, loss and gradient of the kernels against float64 on the same logits (bf16,
+    as the model's under ``logits_dtype="bfloat16"``, or FP32), each within the bound
+    ``helpers.cross_entropy_bounds`` derives (the gradient after its rounding to the logits'
+    dtype); the target's logit exact; the gradient in the logits' dtype
+    (``helpers.assert_pallas_cross_entropy_within_bound``)."""
+    assert_pallas_cross_entropy_within_bound(*_logits(v, 16, v, dtype))
+
+
+def test_pieces_cover_the_vocabulary():
+    """The walk's chunk widths are powers of two that add up to the vocabulary, largest first."""
+    for v in (1, 7, 128, 1000, 1024, 50257, 50304):
+        c, n, rest = lk.pieces(v)
+        widths = [c] * n + list(rest)
+        assert sum(widths) == v and all(w & (w - 1) == 0 for w in widths)
+        assert widths == sorted(widths, reverse=True) and c <= lk.CHUNK
+    assert lk.pieces(50304) == (1024, 49, (128,))
+
+
+def test_model_option_selects_the_kernels():
+    """``cross_entropy="pallas"`` reaches the training loss: the loss of a small model under it is
+    the kernels' on the model's logits, and a value outside the choices is refused."""
+    from flax import nnx
+
+    from train.gpt2 import loss_fn, split_model
+
+    cfg = gpt2.GPTConfig(vocab_size=96, block_size=16, n_layer=1, n_head=2, n_embd=32,
+                         logits_dtype="bfloat16", cross_entropy="pallas")
+    model = gpt2.GPT(cfg, rngs=nnx.Rngs(0))
+    idx = jax.random.randint(jax.random.key(1), (2, 17), 0, 96)
+    graphdef, params = split_model(model)
+    got = loss_fn(params, graphdef, idx[:, :-1], idx[:, 1:])
+    chex.assert_trees_all_equal(got, lk.cross_entropy(model(idx[:, :-1]), idx[:, 1:]))
+    with pytest.raises(ValueError, match="cross_entropy"):
+        dataclasses.replace(cfg, cross_entropy="fused")
