@@ -8,14 +8,14 @@ Qiu & Yao (arXiv 2510.04212).
 """
 
 from .adapters import nnx_dot_product_attention
-from .api import (attention, attention_with_lse, dot_product_attention, dot_product_attention_plan,
-                  plan)
+from .api import (attention, attention_qkvpacked, attention_with_lse, dot_product_attention,
+                  dot_product_attention_plan, plan)
 from .policy import POLICIES, Policy, make_policy
 from .reference import reference_attention, reference_numpy
 from .rounding import round_to
 from .spec import Launch, Numerics, Plan
 
-__all__ = ["attention", "attention_with_lse", "plan", "dot_product_attention",
+__all__ = ["attention", "attention_qkvpacked", "attention_with_lse", "plan", "dot_product_attention",
            "dot_product_attention_plan", "nnx_dot_product_attention", "Plan", "Numerics", "Launch",
            "reference_attention", "reference_numpy", "Policy", "make_policy", "POLICIES", "round_to"]
 __version__ = "0.2.0"

@@ -77,6 +77,32 @@ def attention(q, k, v, *, causal=True, stable=False, beta=2.0, sm_scale=None, po
     return _attention(q, k, v, p.numerics, p.launch, p.executor)
 
 
+def attention_qkvpacked(qkv, **kwargs):
+    """``attention`` of Q, K and V packed side by side: ``qkv`` ``[batch, seq, 3, heads, head_dim]``
+    (q, k, v = ``qkv[:, :, 0]``, ``[:, :, 1]``, ``[:, :, 2]``), e.g. one projection's output
+    ``[batch, seq, 3·heads·head_dim]`` reshaped. The keywords, numerics and result of
+    ``attention(q, k, v, **kwargs)``; the gradient is one array of qkv's shape.
+
+    Where the Triton kernels run the call (head_dim one of ``HEAD_DIMS``, the sequence a whole
+    number of tiles), they read Q, K and V in place and write dQ, dK and dV into one buffer: no
+    copies to slice the three apart or to join their gradients. Otherwise the three are sliced and
+    ``attention`` runs them."""
+    if not hasattr(qkv, "shape") or len(qkv.shape) != 5 or qkv.shape[2] != 3:
+        raise ValueError("qkv must have shape [batch, seq, 3, heads, head_dim], got "
+                         f"{getattr(qkv, 'shape', type(qkv).__name__)}")
+    b, t, _, h, d = qkv.shape
+    one = jax.ShapeDtypeStruct((b, t, h, d), qkv.dtype)
+    p = plan(one, one, one, **kwargs)
+    if _empty(one):
+        return jnp.zeros(one.shape, qkv.dtype)
+    num, lnch = p.numerics, p.launch
+    if (p.executor == "pallas" and kernel_head_dim(d) == d and t % num.block_q == 0
+            and t % num.block_k == 0 and lnch.fwd_kernel == "triton"
+            and lnch.bwd_kernel == "triton"):
+        return _attention_packed(qkv, num, lnch)
+    return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], num, lnch, p.executor)
+
+
 def attention_with_lse(q, k, v, **kwargs):
     """``attention`` plus the saved L = m + log ℓ ``[batch, heads, q_len]`` in natural-log units.
 
@@ -557,6 +583,33 @@ def _attention_bwd(cfg, launch, executor, res, do):
         return grads + (None,)
     dbias = _reduce_to(ds[:, :, : cfg.q_len, : cfg.kv_len], ex.bias) if cfg.bias else None
     return grads + (Extras(None, None, None, dbias),)
+
+
+def _packed_forward(qkv, cfg: Numerics, launch: Launch):
+    o_res, lse = pallas.forward(qkv, qkv, qkv, cfg, launch, o_dtype=cfg.policy.o_residual_dtype,
+                                packed=True)
+    return o_res.astype(qkv.dtype), o_res, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _attention_packed(qkv, cfg: Numerics, launch: Launch):
+    """``_attention`` on the Pallas executor, Q, K and V one packed array (no padding)."""
+    return _packed_forward(qkv, cfg, launch)[0]
+
+
+def _attention_packed_fwd(qkv, cfg, launch):
+    o, o_res, lse = _packed_forward(qkv, cfg, launch)
+    return o, (qkv, o_res, lse)
+
+
+def _attention_packed_bwd(cfg, launch, res, do):
+    qkv, o_res, lse = res
+    dlt = pallas.delta(qkv, qkv, qkv, o_res, do, lse, cfg, launch, packed=True)
+    return (pallas.backward(qkv, qkv, qkv, do, lse, dlt, cfg, launch, out_dtype=qkv.dtype,
+                            packed=True),)
+
+
+_attention_packed.defvjp(_attention_packed_fwd, _attention_packed_bwd)
 
 
 def _reduce_to(g, like):

@@ -133,6 +133,11 @@ class GPTConfig:
     # to FP32); "pallas", two Pallas kernels that read the logits once each way
     # (models/loss_kernels.py): the sum of exponentials in another order, last bits differ
     cross_entropy: str = "xla"
+    # Q, K and V from one GEMM on the three kernels side by side (the parameters stay three), and
+    # under "flash" attention read in place from that product (jax_flash.attention_qkvpacked), whose
+    # backward writes their gradients into one array for the input-gradient GEMM, one product
+    # over 3·n_embd summed in FP32 where three bf16 products were added: last bits differ
+    packed_qkv: bool = False
     init_std: float = 0.02
     attention: AttentionSpec = AttentionSpec()
     # Later entries win. Layers 0-based. Example: flash only in the paper's layer 2 is
@@ -153,7 +158,7 @@ class GPTConfig:
                 ok = False
             if not ok:
                 raise choice_error(name, getattr(self, name), DTYPES)
-        for name in ("recompute_gelu", "gelu_from_input"):
+        for name in ("recompute_gelu", "gelu_from_input", "packed_qkv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.recompute_gelu and self.gelu_from_input:
@@ -250,22 +255,22 @@ def _dpa(implementation):
     return fn
 
 
+def _flash_kwargs(spec: AttentionSpec) -> dict:
+    return dict(causal=True, stable=spec.stable, beta=spec.beta, policy=spec.policy,
+                delta=spec.delta, impl=spec.impl, block_q=spec.block_q, block_k=spec.block_k)
+
+
 def flash_attention(q, k, v, spec: AttentionSpec):
     import jax_flash  # lazy: models/ must import even where jax_flash is incomplete
 
-    return jax_flash.attention(
-        q,
-        k,
-        v,
-        causal=True,
-        stable=spec.stable,
-        beta=spec.beta,
-        policy=spec.policy,
-        delta=spec.delta,
-        impl=spec.impl,
-        block_q=spec.block_q,
-        block_k=spec.block_k,
-    )
+    return jax_flash.attention(q, k, v, **_flash_kwargs(spec))
+
+
+def flash_attention_qkvpacked(qkv, spec: AttentionSpec):
+    """``flash_attention`` of a packed ``[batch, seq, 3, heads, head_dim]`` Q/K/V."""
+    import jax_flash
+
+    return jax_flash.attention_qkvpacked(qkv, **_flash_kwargs(spec))
 
 
 ATTENTION_FNS: dict[str, Callable] = {
@@ -331,13 +336,23 @@ class CausalSelfAttention(nnx.Module):
         self.wo = mk(res_init)
         self.n_head = cfg.n_head
         self.groups = cfg.head_groups(layer)  # static: part of the graphdef
+        self.packed = cfg.packed_qkv
 
     def __call__(self, x, capture: dict | None = None):
         b, t, d = x.shape
         shape = (b, t, self.n_head, d // self.n_head)
-        q = self.wq(x).reshape(shape)
-        k = self.wk(x).reshape(shape)
-        v = self.wv(x).reshape(shape)
+        if self.packed:
+            dt = self.wq.dtype
+            w = jnp.concatenate([m.kernel[...] for m in (self.wq, self.wk, self.wv)], 1)
+            qkv = jnp.dot(x.astype(dt), w.astype(dt)).reshape(b, t, 3, *shape[2:])
+            spec = self.groups[0][2] if len(self.groups) == 1 else None
+            if capture is None and spec is not None and spec.kind == "flash":
+                return self.wo(flash_attention_qkvpacked(qkv, spec).reshape(b, t, d))
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            q = self.wq(x).reshape(shape)
+            k = self.wk(x).reshape(shape)
+            v = self.wv(x).reshape(shape)
         if capture is not None:
             capture.update(q=q, k=k, v=v)
         outs = [

@@ -473,3 +473,40 @@ def test_scores_of_1e4(rng, assert_close, impl, policy):
     else:
         cfg = numerics(q, k, v, causal=False, policy=policy, block_q=16, block_k=16)
         assert_close(o, ref, o_bound(q, k, v, cfg)[0], "O")
+
+
+@pytest.mark.parametrize("shape,kw,impl", [
+    ((2, 64, 2, 64), {"stable": True}, "pallas"),
+    ((1, 64, 3, 32), {"delta": "dpp"}, "pallas"),
+    ((1, 64, 2, 32), {"policy": "paper", "causal": False}, "pallas"),
+    ((1, 40, 2, 24), {}, "pallas"),  # neither a whole number of tiles nor a kernel head_dim: sliced
+    ((1, 64, 2, 32), {}, "jnp"),
+])
+def test_attention_qkvpacked_is_attention_of_its_slots(shape, kw, impl):
+    """``attention_qkvpacked(qkv)``: output and gradient bit-identical to ``attention`` of the three
+    slots; where the Triton kernels run it they read the packed array in place and write one
+    gradient buffer (no slice or concatenation in the computation)."""
+    b, t, h, d = shape
+    qkv = (2 * jax.random.normal(jax.random.key(0), (b, t, 3, h, d))).astype(jnp.bfloat16)
+    do = jax.random.normal(jax.random.key(1), (b, t, h, d), jnp.bfloat16)
+    packed = lambda x: jf.attention_qkvpacked(x, impl=impl, **kw)
+    sliced = lambda x: jf.attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], impl=impl, **kw)
+    o, vjp = jax.vjp(packed, qkv)
+    want, want_vjp = jax.vjp(sliced, qkv)
+    chex.assert_trees_all_equal(o, want)
+    chex.assert_trees_all_equal(vjp(do), want_vjp(do))
+
+    def prims(jaxpr):
+        for e in jaxpr.eqns:
+            yield e.primitive.name
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from prims(sub)
+
+    step = jax.make_jaxpr(lambda x: jax.vjp(packed, x)[1](do))(qkv).jaxpr
+    in_place = impl == "pallas" and t % 64 == 0 and d in jf.api.HEAD_DIMS
+    assert in_place == (not {"slice", "concatenate", "pad"} & set(prims(step)))
+
+
+def test_attention_qkvpacked_bad_shape_raises():
+    with pytest.raises(ValueError, match=r"\[batch, seq, 3, heads, head_dim\]"):
+        jf.attention_qkvpacked(jnp.zeros((1, 16, 2, 2, 16), jnp.bfloat16))

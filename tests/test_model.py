@@ -1,5 +1,6 @@
 """models/gpt2.py: shapes, tied head, init statistics, attention variants and per-layer/per-head choice."""
 
+import dataclasses
 import functools
 import math
 
@@ -518,3 +519,61 @@ def test_pallas_layernorm_option_agrees_to_fp32_noise():
         "the option did not reach the model"
     with pytest.raises(ValueError, match="layernorm"):
         dataclasses.replace(cfg, layernorm="fused")
+
+
+def test_packed_qkv_option_reads_qkv_in_place_and_sums_the_input_gradient_once():
+    """model.packed_qkv: Q, K, V from one product on the three kernels side by side, attended in
+    place (``jax_flash.attention_qkvpacked``). On the CPU the output and the parameter gradients
+    are bit-identical to the three projections' (XLA's CPU product sums each output column alike
+    at either width); the input gradient is one product over 3·n_embd summed in FP32, where the
+    default adds three bf16 products: they differ within the bound derived from both roundings
+    (each bf16 rounding half an ulp, FP32 accumulation of K terms within K·u of Σ|terms|). The
+    computation has no slice of the product; a layer whose attention records its inputs (the
+    probes' capture) slices it."""
+    from helpers import half_ulp
+
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=64,
+                    attention=AttentionSpec("flash", stable=True, impl="pallas"))
+    x = jax.random.normal(jax.random.key(0), (2, 64, 64), jnp.float32)
+    g = jax.random.normal(jax.random.key(1), (2, 64, 64), jnp.bfloat16)
+
+    def run(packed, capture=None):
+        c = dataclasses.replace(cfg, packed_qkv=packed)
+        gd, st = nnx.split(gpt2.CausalSelfAttention(c, 0, rngs=nnx.Rngs(0)))
+        f = lambda st, x: nnx.merge(gd, st)(x, capture)
+        return jax.vjp(f, st, x)
+
+    (o, vjp), (o_d, vjp_d) = run(True), run(False)
+    (dst, dx), (dst_d, dx_d) = vjp(g), vjp_d(g)
+    chex.assert_trees_all_equal((o, dst), (o_d, dst_d))
+    # the bound: dx_p = bf16(Σ over 3d terms), dx_d = Σ_i bf16(Σ over d terms) in FP32
+    m = gpt2.CausalSelfAttention(cfg, 0, rngs=nnx.Rngs(0))
+    w = np.concatenate([np.asarray(l.kernel[...].astype(jnp.bfloat16), np.float64)
+                        for l in (m.wq, m.wk, m.wv)], 1)
+    xb = x.astype(jnp.bfloat16)
+    qkv = jnp.dot(xb, jnp.asarray(w, jnp.bfloat16)).reshape(2, 64, 3, 2, 32)
+    do = jax.vjp(lambda o: m.wo(o.reshape(2, 64, 64)), jnp.zeros((2, 64, 2, 32), jnp.bfloat16))[1](g)
+    dqkv = jax.vjp(lambda t: gpt2.flash_attention_qkvpacked(t, cfg.attention), qkv)[1](do[0])[0]
+    a = np.abs(np.asarray(dqkv, np.float64).reshape(2, 64, 192))
+    parts = [a[..., i * 64:(i + 1) * 64] @ np.abs(w[:, i * 64:(i + 1) * 64]).T for i in range(3)]
+    total = sum(parts)
+    u = 2.0 ** -24
+    dx_p, dx_d = np.asarray(dx, np.float64), np.asarray(dx_d, np.float64)
+    bound = (half_ulp(dx_p, jnp.bfloat16) + sum(half_ulp(p, jnp.bfloat16) for p in parts)
+             + (192 + 64 + 2) * u * total)
+    assert np.all(np.abs(dx_p - dx_d) <= bound), float(np.max(np.abs(dx_p - dx_d) / bound))
+    assert np.any(dx_p != dx_d)
+
+    def prims(f, *args):
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                yield e.primitive.name
+                for sub in jax.extend.core.jaxprs_in_params(e.params):
+                    yield from walk(sub)
+        return set(walk(jax.make_jaxpr(f)(*args).jaxpr))
+
+    c = dataclasses.replace(cfg, packed_qkv=True)
+    gd, st = nnx.split(gpt2.CausalSelfAttention(c, 0, rngs=nnx.Rngs(0)))
+    step = lambda st, x, cap: jax.vjp(lambda s: nnx.merge(gd, s)(x, cap), st)[1](o)
+    assert "slice" not in prims(lambda st, x: step(st, x, None), st, x)
+    assert "slice" in prims(lambda st, x: step(st, x, {}), st, x)

@@ -23,7 +23,7 @@ from .. import tile
 from ..spec import Launch, Numerics
 from . import backward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body
-from .forward import kv_head, kv_loop, length_specs, read_lengths
+from .forward import at_slot, kv_head, kv_loop, length_specs, read_lengths, unpacked_shape
 
 
 # Grids are (block, batch, head): the block index varies fastest, so the programs running at once
@@ -49,6 +49,20 @@ def _group_spec(t, d, groups):
     if groups == 1:
         return _full_spec(t, d)
     return pl.BlockSpec((None, t, groups, d), lambda i, b, hh: (b, 0, hh, 0))
+
+
+def _slots_spec(b_rows, d):
+    """A block of rows of all three slots of a packed ``[B, T, 3, H, D]`` array: [rows, 3, D]."""
+    return pl.BlockSpec((None, b_rows, 3, None, d), lambda i, b, hh: (b, i, 0, hh, 0))
+
+
+def _into_slots(kernel, slots):
+    """``kernel`` with its last outputs written into ``slots`` of one packed output block (the
+    last ref); any refs between the kernel's inputs and that output (an aliased buffer) unused."""
+    def wrapped(*refs, n_in):
+        kernel(*refs[:n_in], *(refs[-1].at[:, s] for s in slots))
+
+    return wrapped
 
 
 def _group_rows_spec(t, groups):
@@ -83,19 +97,21 @@ def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, *refs, cfg: Numerics, la
     out_ref[...] = tile.delta_finish(acc, do, cfg)
 
 
-def delta(q, k, v, o, do, lse, cfg: Numerics, launch: Launch, lengths=None):
-    """δ ``[B, H, Tq]`` (FP32) for the configured δ mode."""
+def delta(q, k, v, o, do, lse, cfg: Numerics, launch: Launch, lengths=None, packed=False):
+    """δ ``[B, H, Tq]`` (FP32) for the configured δ mode; ``packed`` as ``forward``'s."""
     if cfg.delta == "o":
         return tile.delta_from_o(o, do).transpose(0, 2, 1)
-    bsz, tq, h, d = q.shape
+    bsz, tq, h, d = unpacked_shape(q.shape) if packed else q.shape
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     g = cfg.groups
+    qkv = [_block_spec(bq, d), _full_spec(tk, d, g), _full_spec(tk, d, g)]
+    if packed:
+        qkv = [at_slot(spec, slot) for slot, spec in enumerate(qkv)]
     return pl.pallas_call(
         functools.partial(_delta_kernel, cfg=cfg, launch=launch, nk=tk // bk),
         grid=(tq // bq, bsz, h),
-        in_specs=[_block_spec(bq, d), _full_spec(tk, d, g), _full_spec(tk, d, g), _block_spec(bq, d),
-                  _row_spec(bq), *length_specs(cfg, 1)],
+        in_specs=[*qkv, _block_spec(bq, d), _row_spec(bq), *length_specs(cfg, 1)],
         out_specs=_row_spec(bq),
         out_shape=jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32),
         interpret=interpret_mode(),
@@ -189,12 +205,15 @@ def resident_block(big: int | None, cfg: Numerics, tq: int, tk: int) -> int | No
 
 
 def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp.float32,
-             lengths=None):
+             lengths=None, packed=False):
     """(dQ, dK, dV) ``[B, T, H, D]`` (dK, dV with K's heads), accumulated in FP32 and rounded once
     to ``out_dtype`` as the kernels write them (writing bf16 directly saves an FP32 round trip
-    through memory). ``lengths``: (q_lens, kv_lens) int32 ``[B]`` when ``cfg.seq_lengths``."""
-    bsz, tq, h, d = q.shape
-    tk, hk, g = k.shape[1], k.shape[2], cfg.groups
+    through memory). ``lengths``: (q_lens, kv_lens) int32 ``[B]`` when ``cfg.seq_lengths``.
+    ``packed`` (as ``forward``'s): q, k, v are one ``[B, T, 3, H, D]`` array and the result is its
+    gradient, one array of that shape: the dK/dV kernel writes slots 1 and 2 and the dQ kernel
+    slot 0 of the same buffer, so no concatenation follows."""
+    bsz, tq, h, d = unpacked_shape(q.shape) if packed else q.shape
+    tk, hk, g = (tq, h, 1) if packed else (k.shape[1], k.shape[2], cfg.groups)
     lens = tuple(lengths) if cfg.seq_lengths else ()
     nq = tq // cfg.block_q
     # dK/dV programs keep `big_k` keys, dQ programs `big_q` queries; the streamed tiles are unchanged
@@ -210,37 +229,61 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
         params = compiler_params(launch.bwd, d, cfg.block_q, bk, backward=True, itemsize=itemsize)
         dq_params = compiler_params(launch.dq or launch.bwd, d, bq, cfg.block_k,
                                     backward=True, itemsize=itemsize)
-    mosaic = launch.bwd_kernel in ("mosaic", "mosaic_dkdv")  # the plan checked that they cover it
+    # the plan checked that Mosaic kernels cover the call; a packed call runs the Triton ones
+    mosaic = launch.bwd_kernel in ("mosaic", "mosaic_dkdv") and not packed
+    dkdv_ins = [_group_spec(tq, d, g), _block_spec(bk, d), _block_spec(bk, d)]
+    dq_ins = [_block_spec(bq, d), _full_spec(tk, d, g), _full_spec(tk, d, g)]
+    if packed:
+        dkdv_ins = [at_slot(spec, slot) for slot, spec in enumerate(dkdv_ins)]
+        dq_ins = [at_slot(spec, slot) for slot, spec in enumerate(dq_ins)]
+    dkdv_ins += [_group_spec(tq, d, g), _group_rows_spec(tq, g), _group_rows_spec(tq, g),
+                 *length_specs(cfg, 1)]
+    dq_ins += [_block_spec(bq, d), _row_spec(bq), _row_spec(bq), *length_specs(cfg, 1)]
+    dkdv_kernel = functools.partial(_dkdv_kernel, cfg=dkdv_cfg, launch=launch, nq=nq)
+    dq_kernel = functools.partial(_dq_kernel, cfg=dq_cfg, launch=launch, nk=tk // cfg.block_k)
+    operands = (q, k, v, do, lse, dlt, *lens)
+    if packed:
+        out = jax.ShapeDtypeStruct(q.shape, out_dtype)
+        dqkv = pl.pallas_call(
+            functools.partial(_into_slots(dkdv_kernel, (1, 2)), n_in=len(operands)),
+            grid=(tk // bk, bsz, hk), in_specs=dkdv_ins, out_specs=_slots_spec(bk, d),
+            out_shape=out, interpret=interpret_mode(), compiler_params=params,
+            name=_name("dkdv", cfg),
+        )(*operands)
+        return pl.pallas_call(  # dQ into slot 0 of the same buffer
+            functools.partial(_into_slots(dq_kernel, (0,)), n_in=len(operands)),
+            grid=(tq // bq, bsz, h), in_specs=[*dq_ins, _slots_spec(bq, d)],
+            out_specs=_slots_spec(bq, d), out_shape=out,
+            input_output_aliases={len(operands): 0}, interpret=interpret_mode(),
+            compiler_params=dq_params, name=_name("dq", cfg),
+        )(*operands, dqkv)
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                              stages=launch.mosaic_bwd_stages)
     else:
         dk, dv = pl.pallas_call(
-            functools.partial(_dkdv_kernel, cfg=dkdv_cfg, launch=launch, nq=nq),
+            dkdv_kernel,
             grid=(tk // bk, bsz, hk),
-            in_specs=[_group_spec(tq, d, g), _block_spec(bk, d), _block_spec(bk, d),
-                      _group_spec(tq, d, g), _group_rows_spec(tq, g), _group_rows_spec(tq, g),
-                      *length_specs(cfg, 1)],
+            in_specs=dkdv_ins,
             out_specs=[_block_spec(bk, d), _block_spec(bk, d)],
             out_shape=[jax.ShapeDtypeStruct(k.shape, out_dtype),
                        jax.ShapeDtypeStruct(v.shape, out_dtype)],
             interpret=interpret_mode(),
             compiler_params=params,
             name=_name("dkdv", cfg),
-        )(q, k, v, do, lse, dlt, *lens)
+        )(*operands)
     if launch.bwd_kernel == "mosaic":
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                        stages=launch.mosaic_bwd_stages)
     else:
         dq = pl.pallas_call(
-            functools.partial(_dq_kernel, cfg=dq_cfg, launch=launch, nk=tk // cfg.block_k),
+            dq_kernel,
             grid=(tq // bq, bsz, h),
-            in_specs=[_block_spec(bq, d), _full_spec(tk, d, g), _full_spec(tk, d, g),
-                      _block_spec(bq, d), _row_spec(bq), _row_spec(bq), *length_specs(cfg, 1)],
+            in_specs=dq_ins,
             out_specs=_block_spec(bq, d),
             out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
             interpret=interpret_mode(),
             compiler_params=dq_params,
             name=_name("dq", cfg),
-        )(q, k, v, do, lse, dlt, *lens)
+        )(*operands)
     return dq, dk, dv

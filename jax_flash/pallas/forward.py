@@ -55,6 +55,20 @@ def kv_head(hh, groups: int):
     return hh if groups == 1 else hh // groups
 
 
+def at_slot(spec: pl.BlockSpec, slot: int) -> pl.BlockSpec:
+    """``spec`` of a ``[B, T, H, D]`` operand, for that operand as slot ``slot`` of a packed
+    ``[B, T, 3, H, D]`` array (Q, K, V side by side): the same block, the slot's index inserted."""
+    bs, index = tuple(spec.block_shape), spec.index_map
+    return pl.BlockSpec((*bs[:2], None, *bs[2:]),
+                        lambda *g: (*index(*g)[:2], slot, *index(*g)[2:]))
+
+
+def unpacked_shape(qkv_shape):
+    """``[B, T, H, D]`` of one slot of a packed ``[B, T, 3, H, D]`` shape."""
+    b, t, _, h, d = qkv_shape
+    return (b, t, h, d)
+
+
 def read_lengths(cfg: Numerics, refs):
     """(q_len, kv_len) of this program's batch element from its two length refs (``seq_lengths``),
     and the refs that follow them; None and ``refs`` otherwise."""
@@ -106,13 +120,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: Numerics, launch: Launch, n
     lse_ref[...] = lse
 
 
-def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None):
+def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None, packed=False):
     """Returns O ``[B, Tq, H, D]`` in ``o_dtype`` and L ``[B, H, Tq]`` (FP32). K and V have
-    ``H / cfg.groups`` heads; ``lengths``: (q_lens, kv_lens) int32 ``[B]`` when ``cfg.seq_lengths``."""
-    if launch.fwd_kernel == "mosaic":  # the plan checked that it covers this call
+    ``H / cfg.groups`` heads; ``lengths``: (q_lens, kv_lens) int32 ``[B]`` when ``cfg.seq_lengths``.
+    ``packed``: q, k and v are one ``[B, T, 3, H, D]`` array (``groups`` 1, Triton kernel), read
+    in place."""
+    if launch.fwd_kernel == "mosaic" and not packed:  # the plan checked that it covers this call
         return forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=o_dtype,
                                              stages=launch.mosaic_fwd_stages)
-    bsz, tq, h, d = q.shape
+    bsz, tq, h, d = unpacked_shape(q.shape) if packed else q.shape
     tk = k.shape[1]
     bq, bk, g = cfg.block_q, cfg.block_k, cfg.groups
     nq, nk = tq // bq, tk // bk
@@ -122,10 +138,13 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None):
     # group's query heads read their key/value head's K and V (head // groups), never a copy
     q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b, hh: (b, i, hh, 0))
     kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, b, hh: (b, 0, kv_head(hh, g), 0))
+    in_specs = [q_spec, kv_spec, kv_spec]
+    if packed:
+        in_specs = [at_slot(spec, slot) for slot, spec in enumerate(in_specs)]
     return pl.pallas_call(
         kernel,
         grid=(nq, bsz, h),
-        in_specs=[q_spec, kv_spec, kv_spec, *length_specs(cfg, 1)],
+        in_specs=[*in_specs, *length_specs(cfg, 1)],
         out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, hh: (b, hh, i))],
         out_shape=[jax.ShapeDtypeStruct((bsz, tq, h, d), o_dtype),
                    jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32)],
