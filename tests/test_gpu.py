@@ -393,6 +393,22 @@ def test_gpu_pallas_cross_entropy_within_its_bound():
     assert_pallas_cross_entropy_within_bound(logits, targets)
 
 
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_attention_qkvpacked_is_attention_of_its_slots(stable):
+    """``attention_qkvpacked`` compiled for the GPU at GPT-2's shape (the Triton kernels reading the
+    packed array in place, dQ/dK/dV into one buffer): output and gradient bit-identical to
+    ``attention`` of the three slots."""
+    qkv = (2 * jax.random.normal(jax.random.key(0), (8, 1024, 3, 12, 64))).astype(jnp.bfloat16)
+    do = jax.random.normal(jax.random.key(1), (8, 1024, 12, 64), jnp.bfloat16)
+    packed = jax.jit(lambda x: jax.vjp(lambda t: jf.attention_qkvpacked(t, stable=stable), x)[1](do))
+    sliced = jax.jit(lambda x: jax.vjp(
+        lambda t: jf.attention(t[:, :, 0], t[:, :, 1], t[:, :, 2], stable=stable), x)[1](do))
+    o = jax.jit(lambda x: jf.attention_qkvpacked(x, stable=stable))(qkv)
+    want = jax.jit(lambda x: jf.attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], stable=stable))(qkv)
+    chex.assert_trees_all_equal(o, want)
+    chex.assert_trees_all_equal(packed(qkv), sliced(qkv))
+
+
 def test_gpu_gelu_erf_form_within_its_bound():
     """model.gelu="erf" compiled for the GPU (its erf is the GPU backend's): every bf16 input in
     [-8, 8] within the bound the CPU test asserts (``helpers.assert_gelu_erf_within_bound``)."""
