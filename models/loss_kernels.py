@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from jax_flash.pallas.common import interpret_mode as _interpret
 
-BLOCK_ROWS = 8  # rows per program
+BLOCK_ROWS = 4  # rows per program: a chunk of each is 32 FP32 registers a thread (4 warps)
 CHUNK = 1024  # columns per step of the vocabulary loop
 NUM_WARPS = 4
 

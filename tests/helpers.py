@@ -550,3 +550,13 @@ def assert_pallas_cross_entropy_within_bound(x, t):
     got = np.asarray(grad, np.float64)
     excess = np.abs(got - want_grad) - (grad_tol + half_ulp(got, x.dtype))
     assert np.all(excess <= 0), float(np.max(excess))
+
+
+def jaxpr_eqns(jaxpr):
+    """Every equation of ``jaxpr`` (a Jaxpr) and of the jaxprs inside its equations' parameters."""
+    from jax.extend.core import jaxprs_in_params
+
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jaxprs_in_params(e.params):
+            yield from jaxpr_eqns(sub)

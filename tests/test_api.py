@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jax_flash as jf
-from helpers import (BF16, attention_with_lse, f64, grad_bounds, jitted, make_qkv, numerics, o_bound,
-                     reference_outputs, run, run_eager, tied_inputs)
+from helpers import (BF16, attention_with_lse, f64, grad_bounds, jaxpr_eqns, jitted, make_qkv,
+                     numerics, o_bound, reference_outputs, run, run_eager, tied_inputs)
 
 IMPLS = ("jnp", "pallas")  # pallas: the kernels in Pallas interpret mode on the CPU
 
@@ -476,7 +476,7 @@ def test_scores_of_1e4(rng, assert_close, impl, policy):
 
 
 @pytest.mark.parametrize("shape,kw,impl", [
-    ((2, 64, 2, 64), {"stable": True}, "pallas"),
+    ((1, 64, 2, 64), {"stable": True}, "pallas"),
     ((1, 64, 3, 32), {"delta": "dpp"}, "pallas"),
     ((1, 64, 2, 32), {"policy": "paper", "causal": False}, "pallas"),
     ((1, 40, 2, 24), {}, "pallas"),  # neither a whole number of tiles nor a kernel head_dim: sliced
@@ -496,15 +496,10 @@ def test_attention_qkvpacked_is_attention_of_its_slots(shape, kw, impl):
     chex.assert_trees_all_equal(o, want)
     chex.assert_trees_all_equal(vjp(do), want_vjp(do))
 
-    def prims(jaxpr):
-        for e in jaxpr.eqns:
-            yield e.primitive.name
-            for sub in jax.extend.core.jaxprs_in_params(e.params):
-                yield from prims(sub)
-
     step = jax.make_jaxpr(lambda x: jax.vjp(packed, x)[1](do))(qkv).jaxpr
+    prims = {e.primitive.name for e in jaxpr_eqns(step)}
     in_place = impl == "pallas" and t % 64 == 0 and d in jf.api.HEAD_DIMS
-    assert in_place == (not {"slice", "concatenate", "pad"} & set(prims(step)))
+    assert in_place == (not {"slice", "concatenate", "pad"} & prims)
 
 
 def test_attention_qkvpacked_bad_shape_raises():

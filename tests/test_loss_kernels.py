@@ -29,8 +29,7 @@ def _logits(seed, rows, v, dtype, scale=4.0):
     return jnp.asarray(x, dtype), jnp.asarray(t, jnp.int32)
 
 
-@pytest.mark.parametrize("v,dtype", [(1000, jnp.bfloat16), (2048 + 64 + 3, jnp.bfloat16),
-                                     (1000, jnp.float32)])
+@pytest.mark.parametrize("v,dtype", [(2048 + 64 + 3, jnp.bfloat16), (1000, jnp.float32)])
 def test_pallas_cross_entropy_within_its_bound(v, dtype):
     """Row statistics, loss and gradient of the kernels against float64 on the same logits (bf16,
     as the model's under ``logits_dtype="bfloat16"``, or FP32), each within the bound

@@ -13,7 +13,7 @@ from flax import nnx
 
 from models import gpt2
 from models.gpt2 import GPT, AttentionSpec, GPTConfig, cross_entropy, per_head_weights
-from helpers import assert_gelu_erf_within_bound, fp32_cross_entropy_of_upcast
+from helpers import assert_gelu_erf_within_bound, fp32_cross_entropy_of_upcast, jaxpr_eqns
 
 
 def small_cfg(**kw):
@@ -336,16 +336,9 @@ def test_cross_entropy_of_bf16_logits_is_autodiffs_and_keeps_no_fp32_copy():
         [(logits.shape, jnp.bfloat16), ((3, 40, 1), jnp.float32), ((3, 40, 1), jnp.float32),
          (targets.shape, jnp.int32)], key=str)
 
-    from jax.extend.core import jaxprs_in_params
-
     def vocab_reductions(jaxpr):
-        found = []
-        for e in jaxpr.eqns:
-            if e.primitive.name.startswith("reduce_") and e.invars[0].aval.shape == logits.shape:
-                found.append(e.primitive.name)
-            for sub in jaxprs_in_params(e.params):
-                found += vocab_reductions(sub)
-        return found
+        return [e.primitive.name for e in jaxpr_eqns(jaxpr) if e.primitive.name.startswith(
+            "reduce_") and e.invars[0].aval.shape == logits.shape]
 
     for f in (cross_entropy, jax.value_and_grad(cross_entropy)):
         assert vocab_reductions(jax.make_jaxpr(f)(logits, targets).jaxpr) == ["reduce_max",
@@ -565,12 +558,7 @@ def test_packed_qkv_option_reads_qkv_in_place_and_sums_the_input_gradient_once()
     assert np.any(dx_p != dx_d)
 
     def prims(f, *args):
-        def walk(jaxpr):
-            for e in jaxpr.eqns:
-                yield e.primitive.name
-                for sub in jax.extend.core.jaxprs_in_params(e.params):
-                    yield from walk(sub)
-        return set(walk(jax.make_jaxpr(f)(*args).jaxpr))
+        return {e.primitive.name for e in jaxpr_eqns(jax.make_jaxpr(f)(*args).jaxpr)}
 
     c = dataclasses.replace(cfg, packed_qkv=True)
     gd, st = nnx.split(gpt2.CausalSelfAttention(c, 0, rngs=nnx.Rngs(0)))
