@@ -40,11 +40,14 @@ if [[ " $parts " == *" step "* ]]; then
   # fa2, fa2-stable, cuDNN and nanoGPT's own step at micro-batches 32 and 16, each run a process of
   # its own, fa2-stable at 32 profiled; runs that would not end within STEP_BUDGET are skipped (the
   # fa2-stable / nanoGPT pairs come first), and the results file is complete after every run
-  # STEP_ARMS: the arms timed (default: also fa2-stable with bf16 logits or a bf16 head gradient,
-  # named options that change bits, the Pallas LayerNorm, and the two bit-neutral GELU recomputations);
-  # STEP_BATCH: micro-batches
+  # STEP_ARMS: the arms timed (default: also fa2-stable with the fastest named options measured,
+  # E below, and E with each of the two options not yet timed and with both); STEP_BATCH: micro-batches
+  E="model.logits_dtype=bfloat16;model.layernorm=pallas;model.gelu=erf;model.gelu_from_input=true"
+  default_arms="fa2,fa2-stable,cudnn,fa2-stable[$E],fa2-stable[$E;model.cross_entropy=pallas]"
+  default_arms+=",fa2-stable[$E;model.packed_qkv=true]"
+  default_arms+=",fa2-stable[$E;model.cross_entropy=pallas;model.packed_qkv=true]"
   timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch "${STEP_BATCH:-32,16}" \
-    --arms "${STEP_ARMS:-fa2,fa2-stable,cudnn,fa2-stable[model.recompute_gelu=true],fa2-stable[model.gelu_from_input=true],fa2-stable[model.logits_dtype=bfloat16],fa2-stable[model.head_grad_dtype=bfloat16],fa2-stable[model.head_grad_dtype=bfloat16;model.recompute_gelu=true],fa2-stable[model.layernorm=pallas],fa2-stable[model.logits_dtype=bfloat16;model.layernorm=pallas]}" \
+    --arms "${STEP_ARMS:-$default_arms}" \
     --primary fa2-stable --nanogpt third_party/nanoGPT \
     --profile "$OUT/profile" ${STEP_PROFILE_ARMS:+--profile-arms "$STEP_PROFILE_ARMS"} \
     --budget "${STEP_BUDGET:-520}" \
