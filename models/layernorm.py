@@ -33,13 +33,13 @@ BLOCK_ROWS = 16  # rows per program
 NUM_WARPS = 4
 
 
-def _compiler_params():
+def triton_params(num_warps: int = NUM_WARPS, num_stages: int = 1):
     """Triton's (passing them selects the Triton backend over Mosaic GPU); none when interpreted."""
     if _interpret():
         return None
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def chunk_width(d: int, cap: int = 256) -> int:
@@ -50,8 +50,9 @@ def chunk_width(d: int, cap: int = 256) -> int:
     return c
 
 
-def _rows_per_program(n: int) -> int:
-    br = BLOCK_ROWS
+def rows_per_program(n: int, most: int = BLOCK_ROWS) -> int:
+    """The largest power of two ≤ ``most`` dividing ``n``: a program's rows of an ``[n, ·]`` array."""
+    br = most
     while n % br:
         br //= 2
     return br
@@ -111,7 +112,7 @@ def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, 
 
     Two loops over the chunks: the first sums mean(g·x̂) and mean(g) and writes d(scale)'s partial,
     the second reads the chunks again and stores the input gradient. Holding every chunk of x̂, dy
-    and g for the second use instead needs more registers than a thread has."""
+    and g for the second use instead likely needs more registers than a thread has."""
     mean, rstd = mean_ref[...], rstd_ref[...]
 
     def chunk(i):
@@ -137,11 +138,13 @@ def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, 
     lax.fori_loop(0, d // c, grads, 0)
 
 
-def _call(kernel, n: int, d: int, ins, outs, name: str, *args):
-    """``kernel`` over programs of whole rows of an ``[n, d]`` array. ``ins`` name each operand's
-    block: "row" (the program's rows), "scale" (the whole scale); ``outs`` each output's block and
-    dtype: "row", "vec" (one number a row) or "part" (one row of d a program)."""
-    br = _rows_per_program(n)
+def row_call(kernel, n: int, d: int, ins, outs, name: str, *args, rows: int = BLOCK_ROWS,
+             num_stages: int = 1):
+    """``kernel`` over programs of up to ``rows`` whole rows of an ``[n, d]`` array. ``ins`` name
+    each operand's block: "row" (the program's rows), "vec" (one number a row), "scale" (the whole
+    scale); ``outs`` each output's block and dtype: "row", "vec" or "part" (one row of d a
+    program)."""
+    br = rows_per_program(n, rows)
     spec = {"row": pl.BlockSpec((br, d), lambda i: (i, 0)),
             "vec": pl.BlockSpec((br,), lambda i: (i,)),
             "scale": pl.BlockSpec((d,), lambda i: (0,)),
@@ -154,7 +157,7 @@ def _call(kernel, n: int, d: int, ins, outs, name: str, *args):
         out_specs=[spec[k] for k, _ in outs],
         out_shape=[jax.ShapeDtypeStruct(shape[k], dt) for k, dt in outs],
         interpret=_interpret(),
-        compiler_params=_compiler_params(),
+        compiler_params=triton_params(num_stages=num_stages),
         name=name,
     )(*args)
 
@@ -165,14 +168,14 @@ F32 = jnp.float32
 def _forward(x2, w, eps, out_dtype):
     n, d = x2.shape
     kernel = functools.partial(_fwd_kernel, d=d, c=chunk_width(d), eps=eps)
-    return _call(kernel, n, d, ("row", "scale"), (("row", out_dtype), ("vec", F32), ("vec", F32)),
+    return row_call(kernel, n, d, ("row", "scale"), (("row", out_dtype), ("vec", F32), ("vec", F32)),
                  "model_layernorm_fwd", x2, w)
 
 
 def _backward(x2, w, mean, rstd, dy2):
     n, d = x2.shape
     kernel = functools.partial(_bwd_kernel, d=d, c=chunk_width(d))
-    dx, dw_parts = _call(kernel, n, d, ("row", "scale", "vec", "vec", "row"),
+    dx, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row"),
                          (("row", x2.dtype), ("part", F32)), "model_layernorm_bwd",
                          x2, w, mean, rstd, dy2)
     return dx, jnp.sum(dw_parts, axis=0)
@@ -181,7 +184,7 @@ def _backward(x2, w, mean, rstd, dy2):
 def _add_forward(x2, r2, w, eps, out_dtype):
     n, d = x2.shape
     kernel = functools.partial(_add_fwd_kernel, d=d, c=chunk_width(d), eps=eps)
-    return _call(kernel, n, d, ("row", "row", "scale"),
+    return row_call(kernel, n, d, ("row", "row", "scale"),
                  (("row", x2.dtype), ("row", out_dtype), ("vec", F32), ("vec", F32)),
                  "model_add_layernorm_fwd", x2, r2, w)
 
@@ -189,7 +192,7 @@ def _add_forward(x2, r2, w, eps, out_dtype):
 def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype):
     n, d = s2.shape
     kernel = functools.partial(_add_bwd_kernel, d=d, c=chunk_width(d))
-    ds, dr, dw_parts = _call(kernel, n, d, ("row", "scale", "vec", "vec", "row", "row"),
+    ds, dr, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row", "row"),
                              (("row", s2.dtype), ("row", r_dtype), ("part", F32)),
                              "model_add_layernorm_bwd", s2, w, mean, rstd, dy2, gs2)
     return ds, dr, jnp.sum(dw_parts, axis=0)

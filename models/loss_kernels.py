@@ -23,11 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_flash.pallas.common import interpret_mode as _interpret
+from models.layernorm import row_call
 
 BLOCK_ROWS = 4  # rows per program: a chunk of each is 32 FP32 registers a thread (4 warps)
 CHUNK = 1024  # columns per step of the vocabulary loop
-NUM_WARPS = 4
 
 
 def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
@@ -94,34 +93,10 @@ def _bwd_kernel(x_ref, t_ref, m_ref, s_ref, g_ref, dx_ref, *, v: int):
     _walk(v, step, 0)
 
 
-def _rows(n: int) -> int:
-    br = BLOCK_ROWS
-    while n % br:
-        br //= 2
-    return br
-
-
-def _call(kernel, x2, ins, outs, name):
+def _call(kernel, x2, ins, outs, name, *args):
     n, v = x2.shape
-    br = _rows(n)
-    spec = {"row": pl.BlockSpec((br, v), lambda i: (i, 0)),
-            "vec": pl.BlockSpec((br,), lambda i: (i,))}
-    shape = {"row": (n, v), "vec": (n,)}
-    params = None
-    if not _interpret():
-        from jax.experimental.pallas import triton as pltriton
-
-        params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
-    return pl.pallas_call(
-        functools.partial(kernel, v=v),
-        grid=(n // br,),
-        in_specs=[spec[k] for k, _ in ins],
-        out_specs=[spec[k] for k, _ in outs],
-        out_shape=[jax.ShapeDtypeStruct(shape[k], dt) for k, dt in outs],
-        interpret=_interpret(),
-        compiler_params=params,
-        name=name,
-    )(*(a for _, a in ins))
+    return row_call(functools.partial(kernel, v=v), n, v, ins, outs, name, *args,
+                    rows=BLOCK_ROWS, num_stages=2)
 
 
 def row_stats(logits, targets):
@@ -129,9 +104,8 @@ def row_stats(logits, targets):
     v = logits.shape[-1]
     x2, t1 = logits.reshape(-1, v), targets.reshape(-1).astype(jnp.int32)
     f32 = jnp.float32
-    m, s, tgt = _call(_fwd_kernel, x2, (("row", x2), ("vec", t1)),
-                      (("vec", f32), ("vec", f32), ("vec", f32)), "model_cross_entropy_fwd")
-    return m, s, tgt
+    return tuple(_call(_fwd_kernel, x2, ("row", "vec"), (("vec", f32),) * 3,
+                       "model_cross_entropy_fwd", x2, t1))
 
 
 @jax.custom_vjp
@@ -152,8 +126,8 @@ def _bwd(res, g):
     v = logits.shape[-1]
     x2, t1 = logits.reshape(-1, v), targets.reshape(-1).astype(jnp.int32)
     gr = jnp.full(m.shape, g / m.shape[0], jnp.float32)  # the mean's cotangent, a token
-    (dx,) = _call(_bwd_kernel, x2, (("row", x2), ("vec", t1), ("vec", m), ("vec", s), ("vec", gr)),
-                  (("row", logits.dtype),), "model_cross_entropy_bwd")
+    (dx,) = _call(_bwd_kernel, x2, ("row", "vec", "vec", "vec", "vec"), (("row", logits.dtype),),
+                  "model_cross_entropy_bwd", x2, t1, m, s, gr)
     return dx.reshape(logits.shape), None
 
 

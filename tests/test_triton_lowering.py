@@ -25,7 +25,6 @@ def compiled_mode(monkeypatch):
     for name in ("jax_flash.pallas.forward", "jax_flash.pallas.backward"):
         monkeypatch.setattr(sys.modules[name], "interpret_mode", off)
     monkeypatch.setattr(layernorm, "_interpret", off)
-    monkeypatch.setattr(loss_kernels, "_interpret", off)
 
 
 def _triton_calls(f, *args) -> int:
