@@ -168,6 +168,8 @@ _ATTENTION_NAME = re.compile(r"jax_flash|fmha|sdpa|flash_[fb]prop")
 _GEMM_NAME = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul")
 # the Pallas LayerNorm kernels of models/layernorm.py (custom calls: no fusion of their own to read)
 _LAYERNORM_NAME = re.compile(r"model_(add_)?layernorm")
+# the Pallas loss kernels of models/loss_kernels.py
+_CE_NAME = re.compile(r"model_cross_entropy")
 _COPY_NAME = re.compile(r"memcpy|memset|^(wrapped_)?(copy|transpose)")
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul")
 # Ops that only move, lay out or cast data: a fusion of nothing else is a copy (the bf16 copies of the
@@ -377,6 +379,8 @@ def classify(kernel: str, info: dict | None, vocab: int | None = None) -> tuple[
         return "attention", "kernel name"
     if _LAYERNORM_NAME.search(k):
         return "layernorm", "kernel name"
+    if _CE_NAME.search(k):
+        return "logits_ce", "kernel name"
     if info is None:
         if _GEMM_NAME.search(k):
             return "matmul", "kernel name"

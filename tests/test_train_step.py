@@ -775,6 +775,8 @@ def test_families_by_kernel_name_alone():
     assert res["attributed_ms"]["kernel name only"] == pytest.approx(res["total_ms"])
     # the fused residual addition's LayerNorm kernels count as layer norms too
     assert tsp.classify("model_add_layernorm_bwd__3", None) == ("layernorm", "kernel name")
+    # and the Pallas loss kernels count as the loss, whatever their stack says
+    assert tsp.classify("model_cross_entropy_fwd__2", None) == ("logits_ce", "kernel name")
 
 
 def test_torch_families_judge_pytorch_kernels_by_name():
