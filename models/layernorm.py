@@ -3,8 +3,9 @@
 XLA compiles the model's two-pass LayerNorm and its autodiff into several fusions, the backward's
 reading the activations many times over (the step profile, docs/PERFORMANCE.md). Here a program
 takes ``BLOCK_ROWS`` whole rows: the forward reads each row once and writes the normalised row in
-the output dtype with the row's mean and 1/σ; the backward reads x, dy and those two once and writes
-dx and a per-program partial of d(scale), summed afterwards. The arithmetic is the two-pass
+the output dtype with the row's mean and 1/σ; the backward reads x, dy and those two and writes
+dx and a per-program partial of d(scale), summed afterwards (its two loops over the rows, or one
+read of ``BWD_SUB_ROWS`` rows at a time: ``_grads``). The arithmetic is the two-pass
 LayerNorm's (mean, then the mean of squared deviations, eps inside the square root) and its exact
 gradient, in FP32; the sums run in another order than XLA's, so last bits differ from the default
 ``"xla"`` LayerNorm — an opt-in named option, not bit-neutral.
@@ -30,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax_flash.pallas.common import interpret_mode as _interpret
 
 BLOCK_ROWS = 16  # rows per program
+BWD_SUB_ROWS = None  # the backward's rows per step of a one-read loop (None: two loops, see _grads)
 NUM_WARPS = 4
 
 
@@ -89,31 +91,38 @@ def _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps: flo
     rstd_ref[...] = rstd
 
 
-def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: int, c: int):
-    def store(i, dx):
-        dx_ref[:, pl.ds(i * c, c)] = dx.astype(dx_ref.dtype)
+def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: int, c: int,
+                sub: int | None):
+    def store(rows, i, dx):
+        dx_ref[rows, pl.ds(i * c, c)] = dx.astype(dx_ref.dtype)
 
-    _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store)
+    _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store, sub=sub)
 
 
 def _add_bwd_kernel(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, gs_ref, ds_ref, dr_ref, dw_ref, *,
-                    d: int, c: int):
-    def store(i, dx):  # the sum's own cotangent added, as autodiff adds the two; r's is its cast
-        cols = (slice(None), pl.ds(i * c, c))
+                    d: int, c: int, sub: int | None):
+    def store(rows, i, dx):  # the sum's own cotangent added, as autodiff adds the two; r's is its cast
+        cols = (rows, pl.ds(i * c, c))
         ds = dx + gs_ref[cols].astype(jnp.float32)
         ds_ref[cols] = ds.astype(ds_ref.dtype)
         dr_ref[cols] = ds.astype(dr_ref.dtype)
 
-    _grads(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store)
+    _grads(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store, sub=sub)
 
 
-def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, store):
-    """The LayerNorm's input gradient per chunk (handed to ``store``) and d(scale)'s partial.
+def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, store,
+           sub: int | None):
+    """The LayerNorm's input gradient (handed to ``store(rows, chunk, dx)``) and d(scale)'s partial.
 
-    Two loops over the chunks: the first sums mean(g·x̂) and mean(g) and writes d(scale)'s partial,
-    the second reads the chunks again and stores the input gradient. Holding every chunk of x̂, dy
-    and g for the second use instead likely needs more registers than a thread has."""
+    ``sub=None``: two loops over the chunks of all the program's rows, the first summing mean(g·x̂)
+    and mean(g) and writing d(scale)'s partial, the second reading the chunks again for the input
+    gradient. ``sub=k``: a loop over ``k`` rows at a time that holds every chunk of them, so each
+    input is read once; d(scale)'s partial summed over those steps in registers."""
+    if sub is not None:
+        return _grads_one_read(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c,
+                               store=store, sub=sub)
     mean, rstd = mean_ref[...], rstd_ref[...]
+    every = slice(None)
 
     def chunk(i):
         cols = pl.ds(i * c, c)
@@ -132,14 +141,40 @@ def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, 
 
     def grads(i, carry):
         xh, _, g = chunk(i)
-        store(i, (g - c2[:, None] - xh * c1[:, None]) * rstd[:, None])
+        store(every, i, (g - c2[:, None] - xh * c1[:, None]) * rstd[:, None])
         return carry
 
     lax.fori_loop(0, d // c, grads, 0)
 
 
+def _grads_one_read(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, store,
+                    sub: int):
+    n_chunks = d // c
+    ws = [w_ref[pl.ds(i * c, c)].astype(jnp.float32)[None, :] for i in range(n_chunks)]
+
+    def step(r, dws):
+        rows = pl.ds(r * sub, sub)
+        mean, rstd = mean_ref[rows], rstd_ref[rows]
+        xh = [(x_ref[rows, pl.ds(i * c, c)].astype(jnp.float32) - mean[:, None]) * rstd[:, None]
+              for i in range(n_chunks)]
+        dy = [dy_ref[rows, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]
+        g = [a * w for a, w in zip(dy, ws)]
+        c1 = sum(jnp.sum(a * b, axis=1) for a, b in zip(g, xh)) / d  # mean(g·x̂)
+        c2 = sum(jnp.sum(a, axis=1) for a in g) / d  # mean(g)
+        for i in range(n_chunks):
+            store(rows, i, (g[i] - c2[:, None] - xh[i] * c1[:, None]) * rstd[:, None])
+        return tuple(acc + jnp.sum(a * b, axis=0) for acc, a, b in zip(dws, dy, xh))
+
+    br = mean_ref.shape[0]
+    sub = min(sub, br)  # both powers of two: a program of fewer rows is one step
+    zero = tuple(jnp.zeros((c,), jnp.float32) for _ in range(n_chunks))
+    dws = lax.fori_loop(0, br // sub, step, zero)
+    for i, dw in enumerate(dws):
+        dw_ref[0, pl.ds(i * c, c)] = dw
+
+
 def row_call(kernel, n: int, d: int, ins, outs, name: str, *args, rows: int = BLOCK_ROWS,
-             num_stages: int = 1):
+             num_warps: int = NUM_WARPS, num_stages: int = 1):
     """``kernel`` over programs of up to ``rows`` whole rows of an ``[n, d]`` array. ``ins`` name
     each operand's block: "row" (the program's rows), "vec" (one number a row), "scale" (the whole
     scale); ``outs`` each output's block and dtype: "row", "vec" or "part" (one row of d a
@@ -157,7 +192,7 @@ def row_call(kernel, n: int, d: int, ins, outs, name: str, *args, rows: int = BL
         out_specs=[spec[k] for k, _ in outs],
         out_shape=[jax.ShapeDtypeStruct(shape[k], dt) for k, dt in outs],
         interpret=_interpret(),
-        compiler_params=triton_params(num_stages=num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         name=name,
     )(*args)
 
@@ -172,12 +207,12 @@ def _forward(x2, w, eps, out_dtype):
                  "model_layernorm_fwd", x2, w)
 
 
-def _backward(x2, w, mean, rstd, dy2):
+def _backward(x2, w, mean, rstd, dy2, sub, warps=NUM_WARPS):
     n, d = x2.shape
-    kernel = functools.partial(_bwd_kernel, d=d, c=chunk_width(d))
+    kernel = functools.partial(_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
     dx, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row"),
                          (("row", x2.dtype), ("part", F32)), "model_layernorm_bwd",
-                         x2, w, mean, rstd, dy2)
+                         x2, w, mean, rstd, dy2, num_warps=warps)
     return dx, jnp.sum(dw_parts, axis=0)
 
 
@@ -189,12 +224,13 @@ def _add_forward(x2, r2, w, eps, out_dtype):
                  "model_add_layernorm_fwd", x2, r2, w)
 
 
-def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype):
+def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, sub, warps=NUM_WARPS):
     n, d = s2.shape
-    kernel = functools.partial(_add_bwd_kernel, d=d, c=chunk_width(d))
+    kernel = functools.partial(_add_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
     ds, dr, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row", "row"),
                              (("row", s2.dtype), ("row", r_dtype), ("part", F32)),
-                             "model_add_layernorm_bwd", s2, w, mean, rstd, dy2, gs2)
+                             "model_add_layernorm_bwd", s2, w, mean, rstd, dy2, gs2,
+                             num_warps=warps)
     return ds, dr, jnp.sum(dw_parts, axis=0)
 
 
@@ -214,7 +250,7 @@ def _fwd(x, scale, eps, out_dtype):
 def _bwd(eps, out_dtype, res, g):
     x, scale, mean, rstd = res
     d = x.shape[-1]
-    dx, dw = _backward(x.reshape(-1, d), scale, mean, rstd, g.reshape(-1, d))
+    dx, dw = _backward(x.reshape(-1, d), scale, mean, rstd, g.reshape(-1, d), BWD_SUB_ROWS)
     return dx.reshape(x.shape).astype(x.dtype), dw.astype(scale.dtype)
 
 
@@ -247,7 +283,7 @@ def _add_bwd(eps, out_dtype, res, g):
     gs, gy = g
     d = s.shape[-1]
     ds, dr, dw = _add_backward(s, scale, mean, rstd, gy.reshape(-1, d), gs.reshape(-1, d),
-                               jnp.dtype(out_dtype))
+                               jnp.dtype(out_dtype), BWD_SUB_ROWS)
     shape = gs.shape
     return ds.reshape(shape), dr.reshape(shape), dw.astype(scale.dtype)
 

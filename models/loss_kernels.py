@@ -9,6 +9,12 @@ dtype. Both in FP32. The sum of exponentials runs in another order, with rescali
 so last bits of loss and gradient differ from the default ``"xla"`` loss — a named option, within
 the bound tests/helpers.py derives (``cross_entropy_bounds``).
 
+With ``FUSED_GRAD`` the training forward (the custom VJP's) computes the gradient at a cotangent of
+1 in the same kernel, reading each row a second time where it likely still sits in L2, and the
+backward returns it (scaled, with one more rounding, when the cotangent is not 1): no backward
+kernel and no third read of the logits. Off until timed against the two kernels
+(``python -m lab.row_kernels``).
+
 A program takes ``BLOCK_ROWS`` rows and walks the vocabulary in chunks of ``CHUNK`` columns
 (Triton's tensors are powers of two), then the remainder in power-of-two pieces: GPT-2's 50,304
 is 49 chunks of 1,024 and one of 128.
@@ -27,6 +33,11 @@ from models.layernorm import row_call
 
 BLOCK_ROWS = 4  # rows per program: a chunk of each is 32 FP32 registers a thread (4 warps)
 CHUNK = 1024  # columns per step of the vocabulary loop
+NUM_WARPS = 4
+NUM_STAGES = 2
+# the training forward also writes the gradient for a cotangent of 1 (one kernel reading each row
+# twice, no backward kernel); off: the backward kernel reads the logits again
+FUSED_GRAD = False
 
 
 def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
@@ -40,10 +51,10 @@ def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
     return c, n, rest
 
 
-def _walk(v: int, step, carry):
+def _walk(v: int, chunk: int, step, carry):
     """``step(start, width, carry)`` over the columns: a loop over the full chunks, then each
     remainder piece (static widths)."""
-    c, n, rest = pieces(v)
+    c, n, rest = pieces(v, chunk)
     carry = lax.fori_loop(0, n, lambda j, cr: step(j * c, c, cr), carry)
     start = n * c
     for w in rest:
@@ -57,10 +68,8 @@ def _safe(m):
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int):
-    t = t_ref[...]
-    rows = t.shape[0]
-
+def _stats(x_ref, t, *, v: int, chunk: int):
+    """(shift, sum of exp(x − shift), target's logit) of the program's rows, in one read."""
     def step(start, w, carry):
         m, s, tgt = carry
         x = x_ref[:, pl.ds(start, w)].astype(jnp.float32)
@@ -71,16 +80,14 @@ def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int):
         tgt = tgt + jnp.sum(jnp.where(cols == t[:, None], x, 0.0), axis=1)
         return m_new, s, tgt
 
-    zero = jnp.zeros((rows,), jnp.float32)
-    m, s, tgt = _walk(v, step, (jnp.full((rows,), -jnp.inf, jnp.float32), zero, zero))
-    m_ref[...] = _safe(m)
-    s_ref[...] = s
-    tgt_ref[...] = tgt
+    zero = jnp.zeros(t.shape, jnp.float32)
+    m, s, tgt = _walk(v, chunk, step, (jnp.full(t.shape, -jnp.inf, jnp.float32), zero, zero))
+    return _safe(m), s, tgt
 
 
-def _bwd_kernel(x_ref, t_ref, m_ref, s_ref, g_ref, dx_ref, *, v: int):
-    t, m, g = t_ref[...], m_ref[...], g_ref[...]
-    scale = g / s_ref[...]  # the cotangent of each row's log-sum-exp over its sum
+def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int):
+    """dx = exp(x − m)·g/s − g·[target], each row's cotangent ``g``, in dx's dtype."""
+    scale = g / s  # the cotangent of each row's log-sum-exp over its sum
 
     def step(start, w, carry):
         cols = pl.ds(start, w)
@@ -90,45 +97,94 @@ def _bwd_kernel(x_ref, t_ref, m_ref, s_ref, g_ref, dx_ref, *, v: int):
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
         return carry
 
-    _walk(v, step, 0)
+    _walk(v, chunk, step, 0)
 
 
-def _call(kernel, x2, ins, outs, name, *args):
+def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int):
+    m_ref[...], s_ref[...], tgt_ref[...] = _stats(x_ref, t_ref[...], v=v, chunk=chunk)
+
+
+def _bwd_kernel(x_ref, t_ref, m_ref, s_ref, g_ref, dx_ref, *, v: int, chunk: int):
+    _grad(x_ref, t_ref[...], m_ref[...], s_ref[...], g_ref[...], dx_ref, v=v, chunk=chunk)
+
+
+def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: int, chunk: int):
+    t = t_ref[...]
+    m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk)
+    m_ref[...], s_ref[...], tgt_ref[...] = m, s, tgt
+    _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk)
+
+
+def _call(kernel, x2, ins, outs, name, *args, rows=BLOCK_ROWS, chunk=CHUNK, warps=NUM_WARPS,
+          stages=NUM_STAGES):
     n, v = x2.shape
-    return row_call(functools.partial(kernel, v=v), n, v, ins, outs, name, *args,
-                    rows=BLOCK_ROWS, num_stages=2)
+    return row_call(functools.partial(kernel, v=v, chunk=chunk), n, v, ins, outs, name, *args,
+                    rows=rows, num_warps=warps, num_stages=stages)
 
 
-def row_stats(logits, targets):
-    """(row max, sum of exp(x − max), target logit), FP32, one number a row of ``[..., vocab]``."""
+def _flat(logits, targets):
     v = logits.shape[-1]
-    x2, t1 = logits.reshape(-1, v), targets.reshape(-1).astype(jnp.int32)
-    f32 = jnp.float32
-    return tuple(_call(_fwd_kernel, x2, ("row", "vec"), (("vec", f32),) * 3,
-                       "model_cross_entropy_fwd", x2, t1))
+    return logits.reshape(-1, v), targets.reshape(-1).astype(jnp.int32)
+
+
+def row_stats(logits, targets, **launch):
+    """(row max, sum of exp(x − max), target logit), FP32, one number a row of ``[..., vocab]``."""
+    x2, t1 = _flat(logits, targets)
+    return tuple(_call(_fwd_kernel, x2, ("row", "vec"), (("vec", F32),) * 3,
+                       "model_cross_entropy_fwd", x2, t1, **launch))
+
+
+def row_grad(logits, targets, m, s, g_rows, **launch):
+    """The gradient of ``g_rows``·(log-sum-exp − target logit) per row, in the logits' dtype."""
+    x2, t1 = _flat(logits, targets)
+    (dx,) = _call(_bwd_kernel, x2, ("row", "vec", "vec", "vec", "vec"), (("row", logits.dtype),),
+                  "model_cross_entropy_bwd", x2, t1, m, s, g_rows, **launch)
+    return dx.reshape(logits.shape)
+
+
+def row_stats_and_grad(logits, targets, g_rows, **launch):
+    """``row_stats`` and ``row_grad`` from one kernel (each row read twice by its program)."""
+    x2, t1 = _flat(logits, targets)
+    m, s, tgt, dx = _call(_fwd_grad_kernel, x2, ("row", "vec", "vec"),
+                          (("vec", F32),) * 3 + (("row", logits.dtype),),
+                          "model_cross_entropy_fwd_grad", x2, t1, g_rows, **launch)
+    return m, s, tgt, dx.reshape(logits.shape)
+
+
+F32 = jnp.float32
 
 
 @jax.custom_vjp
 def cross_entropy(logits, targets):
     """Mean over tokens of log Σ exp(logits) − logits[target], in FP32, of logits ``[..., vocab]``
     in any float dtype; the gradient in the logits' dtype."""
-    return _fwd(logits, targets)[0]
+    m, s, tgt = row_stats(logits, targets)
+    return _loss(m, s, tgt)
+
+
+def _loss(m, s, tgt):
+    return jnp.mean(jnp.log(s) + m - tgt)
+
+
+def _per_token(m, g):
+    return jnp.full(m.shape, g / m.shape[0], F32)  # the mean's cotangent, a token
 
 
 def _fwd(logits, targets):
+    if FUSED_GRAD:
+        n = logits.size // logits.shape[-1]
+        m, s, tgt, dx = row_stats_and_grad(logits, targets, _per_token(jnp.zeros(n), 1.0))
+        return _loss(m, s, tgt), (dx,)
     m, s, tgt = row_stats(logits, targets)
-    loss = jnp.mean(jnp.log(s) + m - tgt)
-    return loss, (logits, targets, m, s)
+    return _loss(m, s, tgt), (logits, targets, m, s)
 
 
 def _bwd(res, g):
+    if len(res) == 1:  # the gradient at cotangent 1, from the forward; scaled when g is not 1
+        (dx,) = res
+        return lax.cond(g == 1, lambda: dx, lambda: (dx.astype(F32) * g).astype(dx.dtype)), None
     logits, targets, m, s = res
-    v = logits.shape[-1]
-    x2, t1 = logits.reshape(-1, v), targets.reshape(-1).astype(jnp.int32)
-    gr = jnp.full(m.shape, g / m.shape[0], jnp.float32)  # the mean's cotangent, a token
-    (dx,) = _call(_bwd_kernel, x2, ("row", "vec", "vec", "vec", "vec"), (("row", logits.dtype),),
-                  "model_cross_entropy_bwd", x2, t1, m, s, gr)
-    return dx.reshape(logits.shape), None
+    return row_grad(logits, targets, m, s, _per_token(m, g)), None
 
 
 cross_entropy.defvjp(_fwd, _bwd)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from helpers import assert_add_layer_norm_is_the_pair
+from models import layernorm
 from models.layernorm import add_layer_norm, chunk_width, layer_norm
 
 U = 2.0 ** -24  # FP32 unit roundoff
@@ -38,9 +39,17 @@ def _grads(fn, x, w, dy):
     return (y,) + vjp(dy)
 
 
-@pytest.mark.parametrize("n,d,offset", [(64, 768, 0.0), (48, 96, 0.0), (32, 768, 100.0)],
-                         ids=["gpt2-width", "odd-chunks", "offset-100"])
-def test_matches_float64_within_the_sums_bounds(rng, assert_close, n, d, offset):
+@pytest.fixture(params=[None, 4], ids=["two-loops", "one-read"])
+def backward(request, monkeypatch):
+    """Both backward kernels: two loops over a program's rows, or one read of 4 rows at a time."""
+    monkeypatch.setattr(layernorm, "BWD_SUB_ROWS", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("n,d,offset", [(64, 768, 0.0), (48, 96, 0.0), (32, 768, 100.0),
+                                        (2, 96, 0.0)],
+                         ids=["gpt2-width", "odd-chunks", "offset-100", "two-rows"])
+def test_matches_float64_within_the_sums_bounds(rng, assert_close, backward, n, d, offset):
     x, w, dy = _inputs(rng, n, d, offset)
     y, dx, dw = _grads(layer_norm, *(jnp.asarray(a, jnp.float32) for a in (x, w)),
                        jnp.asarray(dy, jnp.float32))
@@ -86,7 +95,7 @@ def test_leading_axes_and_jit(rng):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_add_layer_norm_is_the_addition_then_the_layer_norm(rng, jit):
+def test_add_layer_norm_is_the_addition_then_the_layer_norm(rng, backward, jit):
     """``helpers.assert_add_layer_norm_is_the_pair`` on this device, eager and compiled."""
     x, r = assert_add_layer_norm_is_the_pair(rng, jit)
     with pytest.raises(ValueError, match="out_dtype"):

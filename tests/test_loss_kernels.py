@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_pallas_cross_entropy_within_bound
+from helpers import assert_pallas_cross_entropy_within_bound, half_ulp
 from models import gpt2
 from models import loss_kernels as lk
 
@@ -37,6 +37,25 @@ def test_pallas_cross_entropy_within_its_bound(v, dtype):
     dtype); the target's logit exact; the gradient in the logits' dtype
     (``helpers.assert_pallas_cross_entropy_within_bound``)."""
     assert_pallas_cross_entropy_within_bound(*_logits(v, 16, v, dtype))
+
+
+def test_fused_gradient_is_the_backward_kernels(monkeypatch):
+    """With ``FUSED_GRAD`` the training forward writes the gradient for a cotangent of 1: at 1 the
+    loss and gradient are bit-identical to the backward kernel's (the same operations on the same
+    numbers), the forward alone is the statistics kernel's; at another cotangent the gradient is
+    that one scaled, one more rounding to the logits' dtype (within an ulp of the kernel's)."""
+    x, t = _logits(5, 16, 2048 + 64 + 3, jnp.bfloat16)
+    f = lambda x, c: c * lk.cross_entropy(x, t)
+    grads = lambda: [jax.jit(jax.value_and_grad(f))(x, c) for c in (1.0, 0.375)]
+    want = grads()
+    monkeypatch.setattr(lk, "FUSED_GRAD", True)
+    got = grads()
+    chex.assert_trees_all_equal(got[0], want[0])
+    chex.assert_trees_all_equal(jax.jit(lk.cross_entropy)(x, t), want[0][0])
+    chex.assert_trees_all_equal(got[1][0], want[1][0])
+    a, b = (np.asarray(g[1][1], np.float64) for g in (got, want))
+    assert np.all(np.abs(a - b) <= 2 * np.maximum(half_ulp(a, x.dtype), half_ulp(b, x.dtype)))
+    assert not np.array_equal(a, b)  # the scaled path taken: its rounding shows somewhere
 
 
 def test_pieces_cover_the_vocabulary():

@@ -53,7 +53,11 @@ def test_attention_kernels_lower_for_triton(compiled_mode, kw, calls):
     assert _triton_calls(_grad_of_sum(packed), QKV) == calls
 
 
-def test_model_kernels_lower_for_triton(compiled_mode):
+@pytest.mark.parametrize("sub,fused", [(None, False), (4, True)],
+                         ids=["two-loops+two-kernels", "one-read+fused-grad"])
+def test_model_kernels_lower_for_triton(compiled_mode, monkeypatch, sub, fused):
+    monkeypatch.setattr(layernorm, "BWD_SUB_ROWS", sub)
+    monkeypatch.setattr(loss_kernels, "FUSED_GRAD", fused)
     x = jax.ShapeDtypeStruct((64, 768), jnp.float32)
     r = jax.ShapeDtypeStruct((64, 768), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((768,), jnp.float32)
@@ -64,4 +68,5 @@ def test_model_kernels_lower_for_triton(compiled_mode):
     assert _triton_calls(_grad_of_sum(add_ln), x, r, w) == 2
     logits = jax.ShapeDtypeStruct((64, 50304), jnp.bfloat16)
     targets = jax.ShapeDtypeStruct((64,), jnp.int32)
-    assert _triton_calls(jax.value_and_grad(loss_kernels.cross_entropy), logits, targets) == 2
+    assert _triton_calls(jax.value_and_grad(loss_kernels.cross_entropy), logits,
+                         targets) == (1 if fused else 2)

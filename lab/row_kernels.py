@@ -1,0 +1,174 @@
+"""The model's row kernels (the fused LayerNorm's backward, the Pallas loss) timed alone at the GPT-2
+step's shapes, variants interleaved in one process.
+
+    python -m lab.row_kernels [--tokens 32768] [--variants SPEC,...] [--rounds 6] [--reps 20]
+        [--out FILE.json]                               # on the GPU
+    python -m lab.row_kernels --from-json FILE.json     # the table again (any machine)
+
+A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
+- ``ln-bwd``: ``models.layernorm``'s fused residual-addition backward, ``[tokens, 768]`` (keys:
+  ``sub``, rows a step of the one-read loop, ``none`` for two loops; ``warps``);
+- ``ce-fwd``, ``ce-bwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, gradient kernel,
+  and the two in one kernel, on bf16 logits ``[tokens, 50304]`` (keys: ``rows``, ``chunk``,
+  ``warps``, ``stages``);
+- ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
+  and ``xla-ln-bwd``: XLA's LayerNorm backward after a residual addition, for scale.
+Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub`` and ``warps`` change the
+order of FP32 sums (the reduction tree follows the layout), so a kernel's constant is chosen by
+such a run and then fixed; ``stages`` does not change a value.
+
+Each round times every variant ``--reps`` calls back to back, then waits; a variant's figure is the
+median over rounds, with the bytes it must move (each input read and each output written once)
+over that time as the effective bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import numpy as np
+
+DEFAULT_VARIANTS = (
+    "ln-bwd,ln-bwd:sub=4,ln-bwd:sub=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
+    "ce-fwd,ce-fwd:rows=1;warps=1,ce-fwd:rows=2;warps=2,ce-fwd:rows=4;warps=8,ce-fwd:stages=3,"
+    "ce-fwd:rows=8;chunk=512,ce-bwd,ce-bwd:rows=1;warps=1,ce-fused,ce-fused:rows=1;warps=1,"
+    "ce-fused:rows=1;warps=4,xla-ce")
+D_MODEL, VOCAB = 768, 50304
+
+
+def parse(spec: str) -> tuple[str, dict]:
+    kind, _, rest = spec.partition(":")
+    kw = {}
+    for item in filter(None, rest.split(";")):
+        k, _, v = item.partition("=")
+        kw[k] = None if v == "none" else int(v)
+    return kind, kw
+
+
+def build(spec: str, tokens: int):
+    """(jitted function, its arguments, bytes it must move) for one variant."""
+    import jax
+    import jax.numpy as jnp
+
+    from models import gpt2, layernorm, loss_kernels as lk
+
+    kind, kw = parse(spec)
+    key = jax.random.key(0)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    if kind in ("ln-bwd", "xla-ln-bwd"):
+        s = jax.random.normal(k1, (tokens, D_MODEL), jnp.float32)
+        r = jax.random.normal(k2, (tokens, D_MODEL), jnp.bfloat16)
+        w = 1.0 + 0.1 * jax.random.normal(k3, (D_MODEL,), jnp.float32)
+        dy = jax.random.normal(k4, (tokens, D_MODEL), jnp.bfloat16)
+        gs = jax.random.normal(k1, (tokens, D_MODEL), jnp.float32)
+        moved = tokens * D_MODEL * (4 + 2 + 4 + 4 + 2)  # s, dy, gs in; ds, dr out
+        if kind == "ln-bwd":
+            _, _, mean, rstd = jax.jit(layernorm._add_forward, static_argnums=(3, 4))(
+                s, r, w, 1e-5, jnp.dtype(jnp.bfloat16))
+            sub = kw.get("sub", layernorm.BWD_SUB_ROWS)
+            f = jax.jit(functools.partial(layernorm._add_backward, r_dtype=jnp.bfloat16, sub=sub,
+                                          warps=kw.get("warps", layernorm.NUM_WARPS)))
+            return f, (s, w, mean, rstd, dy, gs), moved
+
+        def xla(x, r, w, dy, gs):
+            def fn(x, r):
+                t = x + r.astype(jnp.float32)
+                return t, _xla_ln(t, w).astype(jnp.bfloat16)
+            _, vjp = jax.vjp(fn, x, r)
+            return vjp((gs, dy))
+
+        return jax.jit(xla), (s, r, w, dy, gs), moved
+    logits = jax.random.normal(k1, (tokens, VOCAB), jnp.bfloat16) * 3
+    targets = jax.random.randint(k2, (tokens,), 0, VOCAB)
+    launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages")}
+    n_bytes = tokens * VOCAB * 2
+    if kind == "ce-fwd":
+        return jax.jit(functools.partial(lk.row_stats, **launch)), (logits, targets), n_bytes
+    g_rows = jnp.full((tokens,), 1.0 / tokens, jnp.float32)
+    if kind == "ce-bwd":
+        m, s, _ = jax.jit(lk.row_stats)(logits, targets)
+        f = jax.jit(functools.partial(lk.row_grad, **launch))
+        return f, (logits, targets, m, s, g_rows), 2 * n_bytes
+    if kind == "ce-fused":
+        f = jax.jit(functools.partial(lk.row_stats_and_grad, **launch))
+        return f, (logits, targets, g_rows), 2 * n_bytes
+    if kind == "xla-ce":
+        f = jax.jit(jax.value_and_grad(lambda x, t: gpt2.cross_entropy(x, t, "xla")))
+        return f, (logits, targets), 2 * n_bytes
+    raise ValueError(f"unknown variant kind {kind!r} in {spec!r}")
+
+
+def _xla_ln(x, w, eps=1e-5):
+    import jax.numpy as jnp
+
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * (1.0 / jnp.sqrt(var + eps)) * w
+
+
+def run(variants, tokens, rounds, reps):
+    import jax
+
+    built, failed = {}, {}
+    for spec in variants:
+        try:
+            f, args, moved = build(spec, tokens)
+            jax.block_until_ready(f(*args))  # compile, warm
+            built[spec] = (f, args, moved)
+        except Exception as e:  # noqa: BLE001  (a variant the compiler refuses is reported)
+            failed[spec] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            print(f"[{spec}] failed: {failed[spec]}", file=sys.stderr, flush=True)
+    times = {spec: [] for spec in built}
+    for _ in range(rounds):
+        for spec, (f, args, _) in built.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                out = f(*args)
+            jax.block_until_ready(out)
+            times[spec].append((time.perf_counter() - t0) / reps * 1e3)
+    dev = jax.devices()[0]
+    recs = [{"variant": spec, "ms": float(np.median(t)), "ms_rounds": t,
+             "gb_per_s": built[spec][2] / (np.median(t) * 1e-3) / 1e9, "bytes": built[spec][2]}
+            for spec, t in times.items()]
+    return {"what": "model row kernels timed alone (lab.row_kernels)", "tokens": tokens,
+            "rounds": rounds, "reps": reps, "jax_version": jax.__version__,
+            "device": dev.device_kind, "records": recs, "failed": failed}
+
+
+def table(res) -> str:
+    lines = [f"Row kernels alone, {res['tokens']} tokens, {res['device']}, jax {res['jax_version']}"
+             f" (median of {res['rounds']} rounds of {res['reps']} calls)", "",
+             "| variant | ms | GB/s moved |", "|---|---|---|"]
+    for r in res["records"]:
+        lines.append(f"| `{r['variant']}` | {r['ms']:.4f} | {r['gb_per_s']:,.0f} |")
+    for spec, why in res.get("failed", {}).items():
+        lines.append(f"| `{spec}` | failed: {why} | |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m lab.row_kernels",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out")
+    ap.add_argument("--from-json")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        print(table(json.load(open(args.from_json))))
+        return
+    res = run(args.variants.split(","), args.tokens, args.rounds, args.reps)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
