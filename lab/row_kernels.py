@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 DEFAULT_VARIANTS = (
-    "ln-bwd,ln-bwd:sub=4,ln-bwd:sub=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
+    "ln-bwd:sub=none,ln-bwd:sub=4,ln-bwd:sub=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
     "ce-fwd,ce-fwd:rows=1;warps=1,ce-fwd:rows=2;warps=2,ce-fwd:rows=4;warps=8,ce-fwd:stages=3,"
     "ce-fwd:rows=8;chunk=512,ce-bwd,ce-bwd:rows=1;warps=1,ce-fused,ce-fused:rows=1;warps=1,"
     "ce-fused:rows=1;warps=4,xla-ce")

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax_flash.pallas.common import interpret_mode as _interpret
 
 BLOCK_ROWS = 16  # rows per program
-BWD_SUB_ROWS = None  # the backward's rows per step of a one-read loop (None: two loops, see _grads)
+BWD_SUB_ROWS = 4  # the backward's rows per step of its one-read loop (None: two loops, see _grads)
 NUM_WARPS = 4
 
 

@@ -1,4 +1,4 @@
-"""Mean token cross-entropy as two Pallas kernels: ``GPTConfig.cross_entropy = "pallas"``.
+"""Mean token cross-entropy in Pallas kernels: ``GPTConfig.cross_entropy = "pallas"``.
 
 XLA computes the loss of bf16 logits in two passes over them (the row max, then the sum of
 exponentials), each with its own read of the logits (3.3 GB a step at GPT-2's vocabulary and 32 K
@@ -9,11 +9,11 @@ dtype. Both in FP32. The sum of exponentials runs in another order, with rescali
 so last bits of loss and gradient differ from the default ``"xla"`` loss — a named option, within
 the bound tests/helpers.py derives (``cross_entropy_bounds``).
 
-With ``FUSED_GRAD`` the training forward (the custom VJP's) computes the gradient at a cotangent of
-1 in the same kernel, reading each row a second time where it likely still sits in L2, and the
-backward returns it (scaled, with one more rounding, when the cotangent is not 1): no backward
-kernel and no third read of the logits. Off until timed against the two kernels
-(``python -m lab.row_kernels``).
+With ``FUSED_GRAD`` (on) the training forward, the custom VJP's, computes the gradient at a cotangent
+of 1 in the same kernel, reading each row a second time where it likely still sits in L2, and the
+backward returns it (scaled, with one more rounding, when the cotangent is not 1; a training step's
+loss has cotangent 1): no backward kernel and no third read of the logits. Off, the backward kernel
+reads the logits again. A loss without a gradient runs the statistics kernel alone either way.
 
 A program takes ``BLOCK_ROWS`` rows and walks the vocabulary in chunks of ``CHUNK`` columns
 (Triton's tensors are powers of two), then the remainder in power-of-two pieces: GPT-2's 50,304
@@ -35,9 +35,7 @@ BLOCK_ROWS = 4  # rows per program: a chunk of each is 32 FP32 registers a threa
 CHUNK = 1024  # columns per step of the vocabulary loop
 NUM_WARPS = 4
 NUM_STAGES = 2
-# the training forward also writes the gradient for a cotangent of 1 (one kernel reading each row
-# twice, no backward kernel); off: the backward kernel reads the logits again
-FUSED_GRAD = False
+FUSED_GRAD = True  # the training forward writes the gradient too (module docstring)
 
 
 def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
