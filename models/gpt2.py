@@ -130,8 +130,9 @@ class GPTConfig:
     # after it; its FP32 sums in another order: last bits differ
     layernorm: str = "xla"
     # the loss: "xla", the ops of jax.nn.logsumexp (bit-identical to autodiff's of the logits upcast
-    # to FP32); "pallas", two Pallas kernels that read the logits once each way
-    # (models/loss_kernels.py): the sum of exponentials in another order, last bits differ
+    # to FP32); "pallas", a Pallas kernel that reads the logits once for the loss and, under
+    # differentiation, again for the gradient (models/loss_kernels.py): the sum of exponentials
+    # in another order, last bits differ
     cross_entropy: str = "xla"
     # Q, K and V from one GEMM on the three kernels side by side (the parameters stay three), and
     # under "flash" attention read in place from that product (jax_flash.attention_qkvpacked), whose
