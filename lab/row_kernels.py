@@ -11,8 +11,11 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
 - ``ce-fwd``, ``ce-bwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, gradient kernel,
   and the two in one kernel, on bf16 logits ``[tokens, 50304]`` (keys: ``rows``, ``chunk``,
   ``warps``, ``stages``);
+- ``gelu-fwd``, ``gelu-bwd``: the lane ``lab.gelu_lane`` (the erf-form GELU and its input
+  gradient as Pallas kernels) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``cols``, ``warps``);
 - ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
-  and ``xla-ln-bwd``: XLA's LayerNorm backward after a residual addition, for scale.
+  ``xla-ln-bwd``: XLA's LayerNorm backward after a residual addition, ``xla-gelu-fwd`` and
+  ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its gradient.
 Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub`` and ``warps`` change the
 order of FP32 sums (the reduction tree follows the layout), so a kernel's constant is chosen by
 such a run and then fixed; ``stages`` does not change a value.
@@ -36,7 +39,8 @@ DEFAULT_VARIANTS = (
     "ln-bwd:sub=none,ln-bwd:sub=4,ln-bwd:sub=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
     "ce-fwd,ce-fwd:rows=1;warps=1,ce-fwd:rows=2;warps=2,ce-fwd:rows=4;warps=8,ce-fwd:stages=3,"
     "ce-fwd:rows=8;chunk=512,ce-bwd,ce-bwd:rows=1;warps=1,ce-fused,ce-fused:rows=1;warps=1,"
-    "ce-fused:rows=1;warps=4,xla-ce")
+    "ce-fused:rows=1;warps=4,xla-ce,xla-gelu-fwd,gelu-fwd,gelu-fwd:rows=8;warps=8,xla-gelu-bwd,"
+    "gelu-bwd,gelu-bwd:rows=8;warps=8")
 D_MODEL, VOCAB = 768, 50304
 
 
@@ -82,6 +86,19 @@ def build(spec: str, tokens: int):
             return vjp((gs, dy))
 
         return jax.jit(xla), (s, r, w, dy, gs), moved
+    if kind in ("gelu-fwd", "gelu-bwd", "xla-gelu-fwd", "xla-gelu-bwd"):
+        from lab import gelu_lane
+
+        h = jax.random.normal(k1, (tokens, 4 * D_MODEL), jnp.bfloat16) * 2
+        g = jax.random.normal(k2, (tokens, 4 * D_MODEL), jnp.bfloat16)
+        launch = {k: v for k, v in kw.items() if k in ("rows", "cols", "warps")}
+        xla_fwd, xla_bwd = gelu_lane.xla_pair()
+        one = tokens * 4 * D_MODEL * 2
+        return {"gelu-fwd": (jax.jit(functools.partial(gelu_lane.gelu, **launch)), (h,), 2 * one),
+                "gelu-bwd": (jax.jit(functools.partial(gelu_lane.gelu_input_grad, **launch)),
+                             (h, g), 3 * one),
+                "xla-gelu-fwd": (xla_fwd, (h,), 2 * one),
+                "xla-gelu-bwd": (xla_bwd, (h, g), 3 * one)}[kind]
     logits = jax.random.normal(k1, (tokens, VOCAB), jnp.bfloat16) * 3
     targets = jax.random.randint(k2, (tokens,), 0, VOCAB)
     launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages")}
