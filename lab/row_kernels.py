@@ -10,13 +10,13 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
   ``sub``, rows a step of the one-read loop, ``none`` for two loops; ``warps``);
 - ``ce-fwd``, ``ce-bwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, gradient kernel,
   and the two in one kernel, on bf16 logits ``[tokens, 50304]`` (keys: ``rows``, ``chunk``,
-  ``warps``, ``stages``);
+  ``warps``, ``stages``, ``form``: ``chunks`` or ``lanes``, how the statistics walk a row);
 - ``gelu-fwd``, ``gelu-bwd``: the lane ``lab.gelu_lane`` (the erf-form GELU and its input
   gradient as Pallas kernels) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``cols``, ``warps``);
 - ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
   ``xla-ln-bwd``: XLA's LayerNorm backward after a residual addition, ``xla-gelu-fwd`` and
   ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its gradient.
-Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub`` and ``warps`` change the
+Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub``, ``form`` and ``warps`` change the
 order of FP32 sums (the reduction tree follows the layout), so a kernel's constant is chosen by
 such a run and then fixed; ``stages`` does not change a value.
 
@@ -38,7 +38,9 @@ import numpy as np
 DEFAULT_VARIANTS = (
     "ln-bwd:sub=none,ln-bwd:sub=4,ln-bwd:sub=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
     "ce-fwd,ce-fwd:rows=1;warps=1,ce-fwd:rows=2;warps=2,ce-fwd:rows=4;warps=8,ce-fwd:stages=3,"
-    "ce-fwd:rows=8;chunk=512,ce-bwd,ce-bwd:rows=1;warps=1,ce-fused,ce-fused:rows=1;warps=1,"
+    "ce-fwd:rows=8;chunk=512,ce-fwd:form=lanes,ce-fwd:form=lanes;rows=1;warps=1,"
+    "ce-fwd:form=lanes;rows=2;warps=4;chunk=512,ce-bwd,ce-bwd:rows=1;warps=1,ce-fused,"
+    "ce-fused:form=lanes,ce-fused:rows=1;warps=1,"
     "ce-fused:rows=1;warps=4,xla-ce,xla-gelu-fwd,gelu-fwd,gelu-fwd:rows=8;warps=8,xla-gelu-bwd,"
     "gelu-bwd,gelu-bwd:rows=8;warps=8")
 D_MODEL, VOCAB = 768, 50304
@@ -49,7 +51,7 @@ def parse(spec: str) -> tuple[str, dict]:
     kw = {}
     for item in filter(None, rest.split(";")):
         k, _, v = item.partition("=")
-        kw[k] = None if v == "none" else int(v)
+        kw[k] = None if v == "none" else int(v) if v.lstrip("-").isdigit() else v
     return kind, kw
 
 
@@ -61,14 +63,17 @@ def build(spec: str, tokens: int):
     from models import gpt2, layernorm, loss_kernels as lk
 
     kind, kw = parse(spec)
-    key = jax.random.key(0)
-    k1, k2, k3, k4 = jax.random.split(key, 4)
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    # inputs made once per shape: every variant of a kind reads the same arrays (and the device
+    # holds one copy of the 3.3 GB logits, not one a variant)
+    cached = functools.partial(_cached, tokens)
     if kind in ("ln-bwd", "xla-ln-bwd"):
-        s = jax.random.normal(k1, (tokens, D_MODEL), jnp.float32)
-        r = jax.random.normal(k2, (tokens, D_MODEL), jnp.bfloat16)
-        w = 1.0 + 0.1 * jax.random.normal(k3, (D_MODEL,), jnp.float32)
-        dy = jax.random.normal(k4, (tokens, D_MODEL), jnp.bfloat16)
-        gs = jax.random.normal(k1, (tokens, D_MODEL), jnp.float32)
+        s, r, w, dy, gs = cached("ln", lambda: (
+            jax.random.normal(k1, (tokens, D_MODEL), jnp.float32),
+            jax.random.normal(k2, (tokens, D_MODEL), jnp.bfloat16),
+            1.0 + 0.1 * jax.random.normal(k3, (D_MODEL,), jnp.float32),
+            jax.random.normal(k4, (tokens, D_MODEL), jnp.bfloat16),
+            jax.random.normal(k1, (tokens, D_MODEL), jnp.float32)))
         moved = tokens * D_MODEL * (4 + 2 + 4 + 4 + 2)  # s, dy, gs in; ds, dr out
         if kind == "ln-bwd":
             _, _, mean, rstd = jax.jit(layernorm._add_forward, static_argnums=(3, 4))(
@@ -89,8 +94,9 @@ def build(spec: str, tokens: int):
     if kind in ("gelu-fwd", "gelu-bwd", "xla-gelu-fwd", "xla-gelu-bwd"):
         from lab import gelu_lane
 
-        h = jax.random.normal(k1, (tokens, 4 * D_MODEL), jnp.bfloat16) * 2
-        g = jax.random.normal(k2, (tokens, 4 * D_MODEL), jnp.bfloat16)
+        h, g = cached("gelu", lambda: (
+            jax.random.normal(k1, (tokens, 4 * D_MODEL), jnp.bfloat16) * 2,
+            jax.random.normal(k2, (tokens, 4 * D_MODEL), jnp.bfloat16)))
         launch = {k: v for k, v in kw.items() if k in ("rows", "cols", "warps")}
         xla_fwd, xla_bwd = gelu_lane.xla_pair()
         one = tokens * 4 * D_MODEL * 2
@@ -99,9 +105,10 @@ def build(spec: str, tokens: int):
                              (h, g), 3 * one),
                 "xla-gelu-fwd": (xla_fwd, (h,), 2 * one),
                 "xla-gelu-bwd": (xla_bwd, (h, g), 3 * one)}[kind]
-    logits = jax.random.normal(k1, (tokens, VOCAB), jnp.bfloat16) * 3
-    targets = jax.random.randint(k2, (tokens,), 0, VOCAB)
-    launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages")}
+    logits, targets = cached("ce", lambda: (
+        jax.random.normal(k1, (tokens, VOCAB), jnp.bfloat16) * 3,
+        jax.random.randint(k2, (tokens,), 0, VOCAB)))
+    launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages", "form")}
     n_bytes = tokens * VOCAB * 2
     if kind == "ce-fwd":
         return jax.jit(functools.partial(lk.row_stats, **launch)), (logits, targets), n_bytes
@@ -117,6 +124,15 @@ def build(spec: str, tokens: int):
         f = jax.jit(jax.value_and_grad(lambda x, t: gpt2.cross_entropy(x, t, "xla")))
         return f, (logits, targets), 2 * n_bytes
     raise ValueError(f"unknown variant kind {kind!r} in {spec!r}")
+
+
+_INPUTS: dict = {}
+
+
+def _cached(tokens, group, make):
+    if (group, tokens) not in _INPUTS:
+        _INPUTS[(group, tokens)] = make()
+    return _INPUTS[(group, tokens)]
 
 
 def _xla_ln(x, w, eps=1e-5):

@@ -36,6 +36,7 @@ CHUNK = 1024  # columns per step of the vocabulary loop
 NUM_WARPS = 4
 NUM_STAGES = 2
 FUSED_GRAD = True  # the training forward writes the gradient too (module docstring)
+FORM = "chunks"  # how the statistics walk a row (``_stats``)
 
 
 def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
@@ -66,8 +67,26 @@ def _safe(m):
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def _stats(x_ref, t, *, v: int, chunk: int):
-    """(shift, sum of exp(x − shift), target's logit) of the program's rows, in one read."""
+def _stats(x_ref, t, *, v: int, chunk: int, form: str = "chunks"):
+    """(shift, sum of exp(x − shift), target's logit) of the program's rows, in one read.
+
+    ``form="chunks"``: the running max and sum a row, rescaled once per chunk after the chunk's
+    max (three reductions across the program's threads a chunk). ``form="lanes"``: a running max
+    and sum per column of the chunk (each rescaled, with the one exp an element takes, whenever
+    its max grows), reduced across the chunk once at the end; then the remainder pieces as in
+    "chunks". Another order of the same sums: different last bits."""
+    if form == "lanes":
+        return _stats_lanes(x_ref, t, v=v, chunk=chunk)
+    if form != "chunks":
+        raise ValueError(f"form {form!r}: 'chunks' or 'lanes'")
+
+    zero = jnp.zeros(t.shape, jnp.float32)
+    m, s, tgt = _walk(v, chunk, _chunk_step(x_ref, t), (jnp.full(t.shape, -jnp.inf, jnp.float32), zero, zero))
+    return _safe(m), s, tgt
+
+
+def _chunk_step(x_ref, t):
+    """The "chunks" walk's step: (m, s, tgt) after the columns [start, start + w)."""
     def step(start, w, carry):
         m, s, tgt = carry
         x = x_ref[:, pl.ds(start, w)].astype(jnp.float32)
@@ -78,8 +97,37 @@ def _stats(x_ref, t, *, v: int, chunk: int):
         tgt = tgt + jnp.sum(jnp.where(cols == t[:, None], x, 0.0), axis=1)
         return m_new, s, tgt
 
-    zero = jnp.zeros(t.shape, jnp.float32)
-    m, s, tgt = _walk(v, chunk, step, (jnp.full(t.shape, -jnp.inf, jnp.float32), zero, zero))
+    return step
+
+
+def _stats_lanes(x_ref, t, *, v: int, chunk: int):
+    c, n, rest = pieces(v, chunk)
+    rows = t.shape[0]
+    lane = lax.broadcasted_iota(jnp.int32, (rows, c), 1)
+
+    def step(j, carry):
+        m, s, tgt = carry
+        x = x_ref[:, pl.ds(j * c, c)].astype(jnp.float32)
+        d = x - m
+        grow = d > 0
+        # exp(−|x − m|): the new element's term, or the old sum's rescaling when x is the new max;
+        # x = m = −inf (d is nan) adds nothing
+        e = jnp.where(x == -jnp.inf, 0.0, jnp.exp(jnp.where(grow, -d, d)))
+        s = jnp.where(grow, s * e + 1.0, s + e)
+        tgt = tgt + jnp.where(lane + j * c == t[:, None], x, 0.0)
+        return jnp.maximum(m, x), s, tgt
+
+    init = (jnp.full((rows, c), -jnp.inf, jnp.float32), jnp.zeros((rows, c), jnp.float32),
+            jnp.zeros((rows, c), jnp.float32))
+    m_l, s_l, tgt_l = lax.fori_loop(0, n, step, init)
+    m = jnp.max(m_l, axis=1)
+    s = jnp.sum(s_l * jnp.exp(m_l - _safe(m)[:, None]), axis=1)
+    carry = (m, s, jnp.sum(tgt_l, axis=1))
+    start, remainder = n * c, _chunk_step(x_ref, t)
+    for w in rest:
+        carry = remainder(start, w, carry)
+        start += w
+    m, s, tgt = carry
     return _safe(m), s, tgt
 
 
@@ -98,25 +146,29 @@ def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int):
     _walk(v, chunk, step, 0)
 
 
-def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int):
-    m_ref[...], s_ref[...], tgt_ref[...] = _stats(x_ref, t_ref[...], v=v, chunk=chunk)
+def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int, form: str):
+    m_ref[...], s_ref[...], tgt_ref[...] = _stats(x_ref, t_ref[...], v=v, chunk=chunk, form=form)
 
 
-def _bwd_kernel(x_ref, t_ref, m_ref, s_ref, g_ref, dx_ref, *, v: int, chunk: int):
+def _bwd_kernel(x_ref, t_ref, m_ref, s_ref, g_ref, dx_ref, *, v: int, chunk: int, form: str):
+    del form  # the gradient's arithmetic has one form
     _grad(x_ref, t_ref[...], m_ref[...], s_ref[...], g_ref[...], dx_ref, v=v, chunk=chunk)
 
 
-def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: int, chunk: int):
+def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: int, chunk: int,
+                     form: str):
     t = t_ref[...]
-    m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk)
+    m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk, form=form)
     m_ref[...], s_ref[...], tgt_ref[...] = m, s, tgt
     _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk)
 
 
 def _call(kernel, x2, ins, outs, name, *args, rows=BLOCK_ROWS, chunk=CHUNK, warps=NUM_WARPS,
-          stages=NUM_STAGES):
+          stages=NUM_STAGES, form=None):
     n, v = x2.shape
-    return row_call(functools.partial(kernel, v=v, chunk=chunk), n, v, ins, outs, name, *args,
+    form = FORM if form is None else form
+    return row_call(functools.partial(kernel, v=v, chunk=chunk, form=form), n, v, ins, outs, name,
+                    *args,
                     rows=rows, num_warps=warps, num_stages=stages)
 
 

@@ -29,13 +29,15 @@ def _logits(seed, rows, v, dtype, scale=4.0):
     return jnp.asarray(x, dtype), jnp.asarray(t, jnp.int32)
 
 
+@pytest.mark.parametrize("form", ["chunks", "lanes"])
 @pytest.mark.parametrize("v,dtype", [(2048 + 64 + 3, jnp.bfloat16), (1000, jnp.float32)])
-def test_pallas_cross_entropy_within_its_bound(v, dtype):
+def test_pallas_cross_entropy_within_its_bound(monkeypatch, form, v, dtype):
     """Row statistics, loss and gradient of the kernels against float64 on the same logits (bf16,
     as the model's under ``logits_dtype="bfloat16"``, or FP32), each within the bound
     ``helpers.cross_entropy_bounds`` derives (the gradient after its rounding to the logits'
     dtype); the target's logit exact; the gradient in the logits' dtype
-    (``helpers.assert_pallas_cross_entropy_within_bound``)."""
+    (``helpers.assert_pallas_cross_entropy_within_bound``). Both walks of a row."""
+    monkeypatch.setattr(lk, "FORM", form)
     assert_pallas_cross_entropy_within_bound(*_logits(v, 16, v, dtype))
 
 

@@ -53,11 +53,12 @@ def test_attention_kernels_lower_for_triton(compiled_mode, kw, calls):
     assert _triton_calls(_grad_of_sum(packed), QKV) == calls
 
 
-@pytest.mark.parametrize("sub,fused", [(None, False), (4, True)],
-                         ids=["two-loops+two-kernels", "one-read+fused-grad"])
-def test_model_kernels_lower_for_triton(compiled_mode, monkeypatch, sub, fused):
+@pytest.mark.parametrize("sub,fused,form", [(None, False, "chunks"), (4, True, "lanes")],
+                         ids=["two-loops+two-kernels", "one-read+fused-grad+lanes"])
+def test_model_kernels_lower_for_triton(compiled_mode, monkeypatch, sub, fused, form):
     monkeypatch.setattr(layernorm, "BWD_SUB_ROWS", sub)
     monkeypatch.setattr(loss_kernels, "FUSED_GRAD", fused)
+    monkeypatch.setattr(loss_kernels, "FORM", form)
     x = jax.ShapeDtypeStruct((64, 768), jnp.float32)
     r = jax.ShapeDtypeStruct((64, 768), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((768,), jnp.float32)

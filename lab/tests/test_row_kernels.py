@@ -11,6 +11,7 @@ def test_variants_parse_with_shipped_defaults_for_missing_keys():
     assert rk.parse("ln-bwd") == ("ln-bwd", {})
     assert rk.parse("ln-bwd:sub=none;warps=8") == ("ln-bwd", {"sub": None, "warps": 8})
     assert rk.parse("ce-fwd:rows=1;warps=1") == ("ce-fwd", {"rows": 1, "warps": 1})
+    assert rk.parse("ce-fused:form=lanes") == ("ce-fused", {"form": "lanes"})
 
 
 def test_fused_kernel_is_the_statistics_and_gradient_kernels():
