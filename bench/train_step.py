@@ -92,7 +92,8 @@ def jax_worker(spec: dict) -> dict:
     del params
     toks = synthetic_batches(spec["seed"], 2, accum, micro, seq, cfg.model.vocab_size).astype(np.int32)
     batches = [jax.device_put((t[..., :-1], t[..., 1:]), data_sharding) for t in toks]
-    step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule),
+    step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
+                                        mesh=mesh),
                       donate_argnums=0, out_shardings=(replicated, replicated))
     t0 = time.perf_counter()
     compiled = step_fn.lower(state, batches[0]).compile()

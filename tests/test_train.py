@@ -667,7 +667,9 @@ def test_cli_resume_falls_back_from_a_damaged_checkpoint(tmp_path, ckpt_run, ful
 def test_data_parallel_matches_single_device(tmp_path):
     """4 host devices (global micro-batch 8 = 4 x 2) vs 1 device (8): same losses within FP32
     reduction-order noise. Measured at lr 3e-3: losses ~2e-7 relative, grad norms ~1e-6 (bf16
-    compute: ~1e-5); Adam amplifies the noise on near-zero gradients, so it grows with lr and steps."""
+    compute: ~1e-5); Adam amplifies the noise on near-zero gradients, so it grows with lr and steps.
+    On 4 devices the model is traced for each device's 2 rows (``per_device``: a kernel without a
+    partitioning rule then runs on its own rows, not on the gathered batch)."""
     script = textwrap.dedent(f"""
       import json, sys
       sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -675,9 +677,15 @@ def test_data_parallel_matches_single_device(tmp_path):
       from helpers import Tokens, micro_cfg
       from train import gpt2 as T
       n = jax.device_count()
+      traced, loss_fn = [], T.loss_fn
+      def recording(params, graphdef, x, y):
+          traced.append(x.shape[0])
+          return loss_fn(params, graphdef, x, y)
+      T.loss_fn = recording
       cfg = micro_cfg({str(tmp_path)!r} + f"/run{{n}}", "model.dtype=float32",
                       f"data.batch_size={{8 // n}}", "max_steps=5", "optim.lr=3e-3")
       T.train(cfg, tokens=Tokens())
+      print("TRACED", json.dumps(sorted(set(traced))))
       print("RESULT", json.dumps([n] + [[m["loss"], m["grad_norm"]] for m in T.read_metrics(cfg.run_dir)]))
   """)
     out = {}
@@ -699,6 +707,8 @@ def test_data_parallel_matches_single_device(tmp_path):
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
         res = json.loads(line.split(" ", 1)[1])
         assert res[0] == n
+        traced = [l for l in proc.stdout.splitlines() if l.startswith("TRACED")][-1]
+        assert json.loads(traced.split(" ", 1)[1]) == [8 // n]  # the rows one device holds
         out[n] = np.array(res[1:])
     assert json.loads((tmp_path / "run4" / "summary.json").read_text())["n_devices"] == 4
     np.testing.assert_allclose(out[4][:, 0], out[1][:, 0], rtol=1e-5)  # losses

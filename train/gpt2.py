@@ -4,7 +4,8 @@
 
 One jitted call is one optimizer step: the micro-batches of a step are accumulated with ``lax.scan``
 inside it, and the state (params, optimizer state, step, rng) is donated. Data parallel over every
-local device: a 1-D mesh "data", the batch sharded on its batch dimension, the state replicated.
+local device: a 1-D mesh "data", the batch sharded on its batch dimension, the state replicated,
+each device computing the loss and gradient of its own rows (``per_device``).
 
 Files in ``run_dir``: ``config.json``; ``metrics.jsonl`` (one record per step: step, loss, grad_norm,
 lr, tokens_per_s, step_time_s, mfu, and val_loss / probe outputs on the steps that have them);
@@ -222,23 +223,48 @@ def loss_fn(params, graphdef, x, y):
     return cross_entropy(model(x), y, model.config.cross_entropy)
 
 
-def train_step(state: dict, batch, *, graphdef, tx, schedule):
-    """One optimizer step. batch = (x, y), int32 [accum, batch, seq]; returns (state, metrics)."""
+def per_device(f, mesh):
+    """``f(params, *batches)`` on each device's share of the batches (their axis 1, the batch axis of
+    ``[accum or n, batch, seq]``), the params replicated, its outputs averaged over devices; ``f``
+    itself when ``mesh`` is None or one device (the same computation as without it).
+
+    The model's Pallas kernels have no partitioning rule: under plain jit XLA would run each on the
+    whole batch, gathered, on every device. Inside ``shard_map`` each device runs them on its own
+    rows, as data parallel means; the average over devices is one more FP32 rounding order."""
+    if mesh is None or mesh.size == 1:
+        return f
+    batch = P(None, "data")
+
+    def local(params, *batches):
+        return jax.lax.pmean(f(params, *batches), "data")
+
+    return lambda params, *batches: jax.shard_map(
+        local, mesh=mesh, in_specs=(P(),) + (batch,) * len(batches), out_specs=P(),
+        check_vma=False)(params, *batches)  # the scan's zero carries are not typed per device
+
+
+def train_step(state: dict, batch, *, graphdef, tx, schedule, mesh=None):
+    """One optimizer step. batch = (x, y), int32 [accum, batch, seq]; returns (state, metrics).
+    ``mesh``: the 1-D "data" mesh the batch is sharded over (``per_device``)."""
     x, y = batch
     params = state["params"]
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def micro(carry, xy):
-        g_sum, l_sum = carry
-        loss, grads = grad_fn(params, graphdef, *xy)
-        return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss), None
+    def grads_and_loss(params, x, y):
+        def micro(carry, xy):
+            g_sum, l_sum = carry
+            loss, grads = grad_fn(params, graphdef, *xy)
+            return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (x, y))
-    n = x.shape[0]
-    if n > 1:
-        grads = jax.tree.map(lambda g: g / n, grads)
-        loss = loss / n
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (x, y))
+        n = x.shape[0]
+        if n > 1:
+            grads = jax.tree.map(lambda g: g / n, grads)
+            loss = loss / n
+        return grads, loss
+
+    grads, loss = per_device(grads_and_loss, mesh)(params, x, y)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = {
         "step": state["step"] + 1,
@@ -250,10 +276,12 @@ def train_step(state: dict, batch, *, graphdef, tx, schedule):
     return new_state, metrics
 
 
-def eval_step(params, batches, *, graphdef):
-    """Mean loss over batches = (x, y), int32 [n, batch, seq]."""
-    losses = jax.lax.map(lambda xy: loss_fn(params, graphdef, *xy), batches)
-    return jnp.mean(losses)
+def eval_step(params, batches, *, graphdef, mesh=None):
+    """Mean loss over batches = (x, y), int32 [n, batch, seq] (``mesh`` as ``train_step``'s)."""
+    def mean_loss(params, x, y):
+        return jnp.mean(jax.lax.map(lambda xy: loss_fn(params, graphdef, *xy), (x, y)))
+
+    return per_device(mean_loss, mesh)(params, *batches)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -456,11 +484,12 @@ def train(
     state = jax.device_put(init_state(cfg, params, tx), replicated)
 
     step_fn = jax.jit(
-        functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule),
+        functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule, mesh=mesh),
         donate_argnums=0,
         out_shardings=(replicated, replicated),
     )
-    eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef), out_shardings=replicated)
+    eval_fn = jax.jit(functools.partial(eval_step, graphdef=graphdef, mesh=mesh),
+                      out_shardings=replicated)
 
     eval_data = None
     if cfg.eval_every and cfg.data.eval_batches and len(tokens.val) > seq_len + 1:
