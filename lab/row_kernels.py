@@ -55,8 +55,9 @@ def parse(spec: str) -> tuple[str, dict]:
     return kind, kw
 
 
-def build(spec: str, tokens: int):
-    """(jitted function, its arguments, bytes it must move) for one variant."""
+def build(spec: str, tokens: int, vocab: int = VOCAB):
+    """(jitted function, its arguments, bytes it must move) for one variant (the loss's at
+    ``vocab`` columns)."""
     import jax
     import jax.numpy as jnp
 
@@ -105,11 +106,11 @@ def build(spec: str, tokens: int):
                              (h, g), 3 * one),
                 "xla-gelu-fwd": (xla_fwd, (h,), 2 * one),
                 "xla-gelu-bwd": (xla_bwd, (h, g), 3 * one)}[kind]
-    logits, targets = cached("ce", lambda: (
-        jax.random.normal(k1, (tokens, VOCAB), jnp.bfloat16) * 3,
-        jax.random.randint(k2, (tokens,), 0, VOCAB)))
+    logits, targets = cached(f"ce{vocab}", lambda: (
+        jax.random.normal(k1, (tokens, vocab), jnp.bfloat16) * 3,
+        jax.random.randint(k2, (tokens,), 0, vocab)))
     launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages", "form")}
-    n_bytes = tokens * VOCAB * 2
+    n_bytes = tokens * vocab * 2
     if kind == "ce-fwd":
         return jax.jit(functools.partial(lk.row_stats, **launch)), (logits, targets), n_bytes
     g_rows = jnp.full((tokens,), 1.0 / tokens, jnp.float32)

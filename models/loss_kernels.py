@@ -10,7 +10,8 @@ so last bits of loss and gradient differ from the default ``"xla"`` loss — a n
 the bound tests/helpers.py derives (``cross_entropy_bounds``).
 
 With ``FUSED_GRAD`` (on) the training forward, the custom VJP's, computes the gradient at a cotangent
-of 1 in the same kernel, reading each row a second time where it likely still sits in L2, and the
+of 1 in the same kernel, reading each row a second time, last columns first (what the first pass
+read last is the likeliest to be still in cache), and the
 backward returns it (scaled, with one more rounding, when the cotangent is not 1; a training step's
 loss has cotangent 1): no backward kernel and no third read of the logits. Off, the backward kernel
 reads the logits again. A loss without a gradient runs the statistics kernel alone either way.
@@ -60,6 +61,17 @@ def _walk(v: int, chunk: int, step, carry):
         carry = step(start, w, carry)
         start += w
     return carry
+
+
+def _walk_back(v: int, chunk: int, step, carry):
+    """``_walk`` from the last column to the first: a second pass over a row meets first what the
+    first pass read last, most likely still in cache."""
+    c, n, rest = pieces(v, chunk)
+    start = v
+    for w in reversed(rest):
+        start -= w
+        carry = step(start, w, carry)
+    return lax.fori_loop(0, n, lambda j, cr: step((n - 1 - j) * c, c, cr), carry)
 
 
 def _safe(m):
@@ -131,8 +143,9 @@ def _stats_lanes(x_ref, t, *, v: int, chunk: int):
     return _safe(m), s, tgt
 
 
-def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int):
-    """dx = exp(x − m)·g/s − g·[target], each row's cotangent ``g``, in dx's dtype."""
+def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int, back: bool = False):
+    """dx = exp(x − m)·g/s − g·[target], each row's cotangent ``g``, in dx's dtype, the columns
+    walked forward or ``back`` (elementwise: the same values either way)."""
     scale = g / s  # the cotangent of each row's log-sum-exp over its sum
 
     def step(start, w, carry):
@@ -143,7 +156,7 @@ def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int):
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
         return carry
 
-    _walk(v, chunk, step, 0)
+    (_walk_back if back else _walk)(v, chunk, step, 0)
 
 
 def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int, form: str):
@@ -160,7 +173,7 @@ def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: i
     t = t_ref[...]
     m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk, form=form)
     m_ref[...], s_ref[...], tgt_ref[...] = m, s, tgt
-    _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk)
+    _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk, back=True)
 
 
 def _call(kernel, x2, ins, outs, name, *args, rows=BLOCK_ROWS, chunk=CHUNK, warps=NUM_WARPS,

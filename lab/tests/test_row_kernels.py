@@ -15,10 +15,11 @@ def test_variants_parse_with_shipped_defaults_for_missing_keys():
 
 
 def test_fused_kernel_is_the_statistics_and_gradient_kernels():
-    fwd, (logits, targets), n_bytes = rk.build("ce-fwd:rows=2;warps=2", 8)
-    assert n_bytes == 8 * rk.VOCAB * 2
-    fused, (_, _, g_rows), _ = rk.build("ce-fused:rows=2;warps=2", 8)
-    bwd, (_, _, m, s, _), _ = rk.build("ce-bwd:rows=2;warps=2", 8)
+    v = 2048 + 128 + 3  # full chunks and remainder pieces, as GPT-2's vocabulary has
+    fwd, (logits, targets), n_bytes = rk.build("ce-fwd:rows=2;warps=2", 8, v)
+    assert n_bytes == 8 * v * 2
+    fused, (_, _, g_rows), _ = rk.build("ce-fused:rows=2;warps=2", 8, v)
+    bwd, (_, _, m, s, _), _ = rk.build("ce-bwd:rows=2;warps=2", 8, v)
     got = fused(logits, targets, g_rows)
     chex.assert_trees_all_equal(got[:3], fwd(logits, targets))
     chex.assert_trees_all_equal(got[3], bwd(logits, targets, m, s, g_rows))
