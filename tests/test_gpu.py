@@ -388,6 +388,17 @@ def test_gpu_add_layer_norm_is_the_pair(monkeypatch, sub):
     assert_add_layer_norm_is_the_pair(np.random.default_rng(0), jit=True)
 
 
+@pytest.mark.parametrize("stable", [False, True])
+def test_gpu_fwd_block_changes_no_bit(stable):
+    """The Triton forward with programs of 128 query rows (``Launch.fwd_block``, 8 warps) at the
+    GPT-2 shape: O and L bit-identical to the tuned launch's 64-row programs."""
+    q, k, v = (jax.random.normal(key, (4, 1024, 12, 64), jnp.bfloat16)
+               for key in jax.random.split(jax.random.key(0), 3))
+    call = lambda **kw: jax.jit(lambda q, k, v: jf.attention_with_lse(
+        q, k, v, causal=True, stable=stable, impl="pallas", **kw))(q, k, v)
+    chex.assert_trees_all_equal(call(launch={"fwd_block": 128, "fwd": (8, 3)}), call())
+
+
 def _gpt2_logits(rows=4096, v=50304):
     k1, k2 = jax.random.split(jax.random.key(0))
     logits = (4.0 * jax.random.normal(k1, (rows, v))).astype(jnp.bfloat16)

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from .. import tile
 from ..spec import Launch, Numerics
 from . import backward_mosaic
-from .common import compiler_params, interpret_mode, kernel_body
+from .common import compiler_params, interpret_mode, kernel_body, resident_block
 from .forward import at_slot, kv_head, kv_loop, length_specs, read_lengths, unpacked_shape
 
 
@@ -194,14 +194,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: Nume
     dq = kv_loop(i, cfg, nk, body, jnp.zeros(q.shape, jnp.float32), launch.split_diagonal,
                  lengths)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
-
-
-def resident_block(big: int | None, cfg: Numerics, tq: int, tk: int) -> int | None:
-    """``big`` (``Launch.bwd_block`` / ``dq_block``) where it is a multiple of both tiles and divides
-    both padded lengths."""
-    if not big or big % cfg.block_q or big % cfg.block_k or tq % big or tk % big:
-        return None
-    return big
 
 
 def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp.float32,
