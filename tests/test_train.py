@@ -13,11 +13,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from models.gpt2 import AttentionSpec
@@ -294,39 +292,6 @@ def test_overfits_one_batch(constant_lr_step):
     # below the batch's own unigram entropy (~ln 128, 128 targets): it learnt more than counts
     assert losses[-1] < 4.0, losses
     assert int(state["step"]) == 25
-
-
-def test_one_micro_batch_is_the_accumulating_sum(constant_lr_step):
-    """A step of one micro-batch takes its gradient as is; the accumulating loop (a zero buffer a
-    leaf, the micro-batches' gradients added to it) gives the same new state and metrics bit for bit
-    over three steps (the sum differs at most in the sign of a zero gradient, which the optimizer's
-    update does not see)."""
-    cfg, state, step = constant_lr_step
-    graphdef, _ = T.split_model(T.make_model(cfg))
-    tx, schedule = T.make_optimizer(cfg)
-
-    def summing(state, batch):
-        grad_fn = jax.value_and_grad(T.loss_fn)
-
-        def micro(carry, xy):
-            loss, grads = grad_fn(state["params"], graphdef, *xy)
-            return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + loss), None
-
-        zeros = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.float32))
-        (grads, loss), _ = jax.lax.scan(micro, zeros, batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        return ({**state, "params": optax.apply_updates(state["params"], updates),
-                 "opt_state": opt_state, "step": state["step"] + 1,
-                 "rng": jax.random.split(state["rng"])[0]},
-                {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])})
-
-    x = np.random.default_rng(2).integers(0, cfg.model.vocab_size, (1, 4, 33))
-    batch = (jnp.asarray(x[..., :-1], jnp.int32), jnp.asarray(x[..., 1:], jnp.int32))
-    got, want = jax.tree.map(jnp.copy, state), jax.tree.map(jnp.copy, state)
-    for _ in range(3):
-        got, m_got = step(got, batch)
-        want, m_want = jax.jit(summing)(want, batch)
-        chex.assert_trees_all_equal((got, m_got), (want, m_want))
 
 
 def test_grad_accumulation_matches_big_batch():

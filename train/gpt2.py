@@ -251,12 +251,6 @@ def train_step(state: dict, batch, *, graphdef, tx, schedule, mesh=None):
     grad_fn = jax.value_and_grad(loss_fn)
 
     def grads_and_loss(params, x, y):
-        if x.shape[0] == 1:
-            # one micro-batch: its gradient as is, without a zero buffer a leaf to add it to (what
-            # the sum would give, up to the sign of zero gradients, which no update can see)
-            loss, grads = grad_fn(params, graphdef, x[0], y[0])
-            return grads, loss
-
         def micro(carry, xy):
             g_sum, l_sum = carry
             loss, grads = grad_fn(params, graphdef, *xy)
