@@ -112,7 +112,7 @@ class Launch:
     bwd: tuple[int, int] | None = None
     dq: tuple[int, int] | None = None  # the dQ kernel's own, where it differs from ``bwd``
     split_diagonal: bool = False  # mask-free loops over the tiles below the causal diagonal
-    fwd_block: int | None = None  # Triton forward: queries a program keeps resident (ditto)
+    fwd_block: int | None = None  # queries a Triton forward program keeps resident (as below)
     bwd_block: int | None = None  # keys a dK/dV program keeps resident (a multiple of both tiles)
     dq_block: int | None = None  # queries a dQ program keeps resident
     prefetch_rows: bool = False  # dK/dV kernel: the next query block's L and δ a loop step ahead

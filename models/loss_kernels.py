@@ -54,8 +54,14 @@ def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
 def _walk(v: int, chunk: int, step, carry):
     """``step(start, width, carry)`` over the columns: a loop over the full chunks, then each
     remainder piece (static widths)."""
-    c, n, rest = pieces(v, chunk)
+    c, n, _ = pieces(v, chunk)
     carry = lax.fori_loop(0, n, lambda j, cr: step(j * c, c, cr), carry)
+    return _walk_rest(v, chunk, step, carry)
+
+
+def _walk_rest(v: int, chunk: int, step, carry):
+    """``step`` over the remainder pieces after the full chunks."""
+    c, n, rest = pieces(v, chunk)
     start = n * c
     for w in rest:
         carry = step(start, w, carry)
@@ -93,7 +99,8 @@ def _stats(x_ref, t, *, v: int, chunk: int, form: str = "chunks"):
         raise ValueError(f"form {form!r}: 'chunks' or 'lanes'")
 
     zero = jnp.zeros(t.shape, jnp.float32)
-    m, s, tgt = _walk(v, chunk, _chunk_step(x_ref, t), (jnp.full(t.shape, -jnp.inf, jnp.float32), zero, zero))
+    init = (jnp.full(t.shape, -jnp.inf, jnp.float32), zero, zero)
+    m, s, tgt = _walk(v, chunk, _chunk_step(x_ref, t), init)
     return _safe(m), s, tgt
 
 
@@ -113,7 +120,7 @@ def _chunk_step(x_ref, t):
 
 
 def _stats_lanes(x_ref, t, *, v: int, chunk: int):
-    c, n, rest = pieces(v, chunk)
+    c, n, _ = pieces(v, chunk)
     rows = t.shape[0]
     lane = lax.broadcasted_iota(jnp.int32, (rows, c), 1)
 
@@ -135,11 +142,7 @@ def _stats_lanes(x_ref, t, *, v: int, chunk: int):
     m = jnp.max(m_l, axis=1)
     s = jnp.sum(s_l * jnp.exp(m_l - _safe(m)[:, None]), axis=1)
     carry = (m, s, jnp.sum(tgt_l, axis=1))
-    start, remainder = n * c, _chunk_step(x_ref, t)
-    for w in rest:
-        carry = remainder(start, w, carry)
-        start += w
-    m, s, tgt = carry
+    m, s, tgt = _walk_rest(v, chunk, _chunk_step(x_ref, t), carry)
     return _safe(m), s, tgt
 
 
@@ -229,14 +232,16 @@ def _loss(m, s, tgt):
     return jnp.mean(jnp.log(s) + m - tgt)
 
 
-def _per_token(m, g):
-    return jnp.full(m.shape, g / m.shape[0], F32)  # the mean's cotangent, a token
+def _per_token(n: int, g):
+    # the mean's cotangent, a token: an FP32 division, whether g is a traced cotangent or the 1 the
+    # fused forward assumes
+    return jnp.full((n,), jnp.asarray(g, F32) / n, F32)
 
 
 def _fwd(logits, targets):
     if FUSED_GRAD:
         n = logits.size // logits.shape[-1]
-        m, s, tgt, dx = row_stats_and_grad(logits, targets, _per_token(jnp.zeros(n), 1.0))
+        m, s, tgt, dx = row_stats_and_grad(logits, targets, _per_token(n, 1.0))
         return _loss(m, s, tgt), (dx,)
     m, s, tgt = row_stats(logits, targets)
     return _loss(m, s, tgt), (logits, targets, m, s)
@@ -247,7 +252,7 @@ def _bwd(res, g):
         (dx,) = res
         return lax.cond(g == 1, lambda: dx, lambda: (dx.astype(F32) * g).astype(dx.dtype)), None
     logits, targets, m, s = res
-    return row_grad(logits, targets, m, s, _per_token(m, g)), None
+    return row_grad(logits, targets, m, s, _per_token(m.shape[0], g)), None
 
 
 cross_entropy.defvjp(_fwd, _bwd)
