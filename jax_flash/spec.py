@@ -112,7 +112,6 @@ class Launch:
     bwd: tuple[int, int] | None = None
     dq: tuple[int, int] | None = None  # the dQ kernel's own, where it differs from ``bwd``
     split_diagonal: bool = False  # mask-free loops over the tiles below the causal diagonal
-    fwd_block: int | None = None  # queries a Triton forward program keeps resident (as below)
     bwd_block: int | None = None  # keys a dK/dV program keeps resident (a multiple of both tiles)
     dq_block: int | None = None  # queries a dQ program keeps resident
     prefetch_rows: bool = False  # dK/dV kernel: the next query block's L and δ a loop step ahead
@@ -137,7 +136,7 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("fwd_block", "bwd_block", "dq_block"):
+        for name in ("bwd_block", "dq_block"):
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):
                 raise ValueError(f"{name} must be a power of two >= 16, got {val!r}")

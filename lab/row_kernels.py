@@ -7,16 +7,16 @@ step's shapes, variants interleaved in one process.
 
 A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
 - ``ln-bwd``: ``models.layernorm``'s fused residual-addition backward, ``[tokens, 768]`` (keys:
-  ``sub``, rows a step of the one-read loop, ``none`` for two loops; ``warps``);
-- ``ce-fwd``, ``ce-bwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, gradient kernel,
-  and the two in one kernel, on bf16 logits ``[tokens, 50304]`` (keys: ``rows``, ``chunk``,
-  ``warps``, ``stages``, ``form``: ``chunks`` or ``lanes``, how the statistics walk a row);
+  ``sub``, rows a step of its loop; ``warps``);
+- ``ce-fwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, and the statistics and
+  gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
+  ``rows``, ``chunk``, ``warps``, ``stages``);
 - ``gelu-fwd``, ``gelu-bwd``: the lane ``lab.gelu_lane`` (the erf-form GELU and its input
   gradient as Pallas kernels) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``cols``, ``warps``);
 - ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
   ``xla-ln-bwd``: XLA's LayerNorm backward after a residual addition, ``xla-gelu-fwd`` and
   ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its gradient.
-Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub``, ``form`` and ``warps`` change the
+Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub`` and ``warps`` change the
 order of FP32 sums (the reduction tree follows the layout), so a kernel's constant is chosen by
 such a run and then fixed; ``stages`` does not change a value.
 
@@ -36,13 +36,12 @@ import time
 import numpy as np
 
 DEFAULT_VARIANTS = (
-    "ln-bwd:sub=none,ln-bwd:sub=4,ln-bwd:sub=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
-    "ce-fwd,ce-fwd:rows=1;warps=1,ce-fwd:rows=2;warps=2,ce-fwd:rows=4;warps=8,ce-fwd:stages=3,"
-    "ce-fwd:rows=8;chunk=512,ce-fwd:form=lanes,ce-fwd:form=lanes;rows=1;warps=1,"
-    "ce-fwd:form=lanes;rows=2;warps=4;chunk=512,ce-bwd,ce-bwd:rows=1;warps=1,ce-fused,"
-    "ce-fused:form=lanes,ce-fused:rows=1;warps=1,"
-    "ce-fused:rows=1;warps=4,xla-ce,xla-gelu-fwd,gelu-fwd,gelu-fwd:rows=8;warps=8,xla-gelu-bwd,"
-    "gelu-bwd,gelu-bwd:rows=8;warps=8")
+    "ln-bwd,ln-bwd:sub=2,ln-bwd:sub=4;warps=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
+    "ce-fwd,ce-fwd:warps=2,ce-fwd:rows=2;warps=2,ce-fwd:chunk=512,ce-fwd:chunk=2048;warps=2,"
+    "ce-fwd:stages=1,ce-fwd:stages=3,ce-fused,ce-fused:warps=2,ce-fused:rows=2;warps=2,"
+    "ce-fused:chunk=512,ce-fused:chunk=2048;warps=2,ce-fused:stages=1,ce-fused:stages=3,xla-ce,"
+    "xla-gelu-fwd,gelu-fwd:rows=8;warps=8,gelu-fwd:rows=16;warps=8,xla-gelu-bwd,"
+    "gelu-bwd:rows=8;warps=8,gelu-bwd:rows=16;warps=8")
 D_MODEL, VOCAB = 768, 50304
 
 
@@ -109,15 +108,11 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
     logits, targets = cached(f"ce{vocab}", lambda: (
         jax.random.normal(k1, (tokens, vocab), jnp.bfloat16) * 3,
         jax.random.randint(k2, (tokens,), 0, vocab)))
-    launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages", "form")}
+    launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages")}
     n_bytes = tokens * vocab * 2
     if kind == "ce-fwd":
         return jax.jit(functools.partial(lk.row_stats, **launch)), (logits, targets), n_bytes
     g_rows = jnp.full((tokens,), 1.0 / tokens, jnp.float32)
-    if kind == "ce-bwd":
-        m, s, _ = jax.jit(lk.row_stats)(logits, targets)
-        f = jax.jit(functools.partial(lk.row_grad, **launch))
-        return f, (logits, targets, m, s, g_rows), 2 * n_bytes
     if kind == "ce-fused":
         f = jax.jit(functools.partial(lk.row_stats_and_grad, **launch))
         return f, (logits, targets, g_rows), 2 * n_bytes

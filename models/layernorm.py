@@ -4,8 +4,8 @@ XLA compiles the model's two-pass LayerNorm and its autodiff into several fusion
 reading the activations many times over (the step profile, docs/PERFORMANCE.md). Here a program
 takes ``BLOCK_ROWS`` whole rows: the forward reads each row once and writes the normalised row in
 the output dtype with the row's mean and 1/σ; the backward reads x, dy and those two and writes
-dx and a per-program partial of d(scale), summed afterwards (its two loops over the rows, or one
-read of ``BWD_SUB_ROWS`` rows at a time: ``_grads``). The arithmetic is the two-pass
+dx and a per-program partial of d(scale), summed afterwards, reading each input once,
+``BWD_SUB_ROWS`` rows at a time (``_grads``). The arithmetic is the two-pass
 LayerNorm's (mean, then the mean of squared deviations, eps inside the square root) and its exact
 gradient, in FP32; the sums run in another order than XLA's, so last bits differ from the default
 ``"xla"`` LayerNorm — an opt-in named option, not bit-neutral.
@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax_flash.pallas.common import interpret_mode as _interpret
 
 BLOCK_ROWS = 16  # rows per program
-BWD_SUB_ROWS = 4  # the backward's rows per step of its one-read loop (None: two loops, see _grads)
+BWD_SUB_ROWS = 4  # the backward's rows per step (faster than 2, 8 or two loops: lab.row_kernels)
 NUM_WARPS = 4
 
 
@@ -92,7 +92,7 @@ def _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps: flo
 
 
 def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: int, c: int,
-                sub: int | None):
+                sub: int):
     def store(rows, i, dx):
         dx_ref[rows, pl.ds(i * c, c)] = dx.astype(dx_ref.dtype)
 
@@ -100,7 +100,7 @@ def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: 
 
 
 def _add_bwd_kernel(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, gs_ref, ds_ref, dr_ref, dw_ref, *,
-                    d: int, c: int, sub: int | None):
+                    d: int, c: int, sub: int):
     def store(rows, i, dx):  # the sum's own cotangent added, as autodiff adds the two; r's is its cast
         cols = (rows, pl.ds(i * c, c))
         ds = dx + gs_ref[cols].astype(jnp.float32)
@@ -111,44 +111,10 @@ def _add_bwd_kernel(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, gs_ref, ds_ref, dr
 
 
 def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, store,
-           sub: int | None):
-    """The LayerNorm's input gradient (handed to ``store(rows, chunk, dx)``) and d(scale)'s partial.
-
-    ``sub=None``: two loops over the chunks of all the program's rows, the first summing mean(g·x̂)
-    and mean(g) and writing d(scale)'s partial, the second reading the chunks again for the input
-    gradient. ``sub=k``: a loop over ``k`` rows at a time that holds every chunk of them, so each
-    input is read once; d(scale)'s partial summed over those steps in registers."""
-    if sub is not None:
-        return _grads_one_read(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c,
-                               store=store, sub=sub)
-    mean, rstd = mean_ref[...], rstd_ref[...]
-    every = slice(None)
-
-    def chunk(i):
-        cols = pl.ds(i * c, c)
-        xh = (x_ref[:, cols].astype(jnp.float32) - mean[:, None]) * rstd[:, None]
-        dy = dy_ref[:, cols].astype(jnp.float32)
-        return xh, dy, dy * w_ref[cols].astype(jnp.float32)[None, :]
-
-    def sums(i, acc):
-        xh, dy, g = chunk(i)
-        dw_ref[0, pl.ds(i * c, c)] = jnp.sum(dy * xh, axis=0)
-        return acc[0] + jnp.sum(g * xh, axis=1), acc[1] + jnp.sum(g, axis=1)
-
-    zero = jnp.zeros(mean.shape, jnp.float32)
-    s1, s2 = lax.fori_loop(0, d // c, sums, (zero, zero))
-    c1, c2 = s1 / d, s2 / d  # mean(g·x̂), mean(g)
-
-    def grads(i, carry):
-        xh, _, g = chunk(i)
-        store(every, i, (g - c2[:, None] - xh * c1[:, None]) * rstd[:, None])
-        return carry
-
-    lax.fori_loop(0, d // c, grads, 0)
-
-
-def _grads_one_read(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, store,
-                    sub: int):
+           sub: int):
+    """The LayerNorm's input gradient (handed to ``store(rows, chunk, dx)``) and d(scale)'s partial:
+    a loop over ``sub`` rows at a time that holds every chunk of them, so each input is read once;
+    d(scale)'s partial summed over those steps in registers."""
     n_chunks = d // c
     ws = [w_ref[pl.ds(i * c, c)].astype(jnp.float32)[None, :] for i in range(n_chunks)]
 

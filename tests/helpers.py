@@ -485,8 +485,7 @@ def cross_entropy_bounds(x64, targets, pieces):
       with the weights p: u·Σp·y + 4u;
     - each of the ``steps`` rescalings by exp(m_old − m_new) adds 4u + u (the product), and their
       arguments' roundings add up to u·(m − the row's finite minimum); ``steps`` is one a chunk
-      and remainder piece, plus one for the "lanes" walk's final merge of its columns (whose
-      column sums are rescaled at most once a chunk too);
+      and remainder piece;
     - a sum of positive terms in any order is within (terms − 1)·u relative: c − 1 inside a chunk
       and ``steps`` across them.
     So s is within rel_s = 4u·(1 + steps) + u·(Σp·y + range + c − 1 + 2·steps), first order (times
@@ -499,7 +498,7 @@ def cross_entropy_bounds(x64, targets, pieces):
     Returns (lse, rel_s, loss, loss_tol, grad, grad_tol) in float64."""
     u = U32
     c, n, rest = pieces
-    steps = n + len(rest) + 1
+    steps = n + len(rest)
     rows = np.arange(x64.shape[0])
     finite = np.isfinite(x64)
     m = np.max(x64, axis=1)

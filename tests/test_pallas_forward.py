@@ -57,44 +57,27 @@ LAUNCH_FAST = [("fa2", True, (16, 16), {"split_diagonal": True}),
                ("fa2", True, (16, 16), {"prefetch_scores": True}),
                ("fa2", True, (32, 16), {"split_diagonal": True, "prefetch_scores": True}),
                ("paper", False, (32, 16), {"prefetch_scores": True}),
-               ("paper", True, (16, 16), {"split_diagonal": True}),
-               ("fa2", True, (16, 16), {"fwd_block": 32, "split_diagonal": True,
-                                        "prefetch_scores": True}),
-               ("paper", True, (16, 32), {"fwd_block": 64})]
+               ("paper", True, (16, 16), {"split_diagonal": True})]
 LAUNCH_ALL = [(p, c, t, launch) for p in ("fa2", "paper", "fp32") for c in (True, False)
               for t in ((16, 16), (32, 16), (16, 32))
               for launch in ({"split_diagonal": True}, {"prefetch_scores": True},
-                             {"split_diagonal": True, "prefetch_scores": True},
-                             {"fwd_block": 64}, {"fwd_block": 64, "split_diagonal": True})]
+                             {"split_diagonal": True, "prefetch_scores": True})]
 
 
 # the default subset: each launch field alone and together, causal and not, "paper" (the rest of
 # LAUNCH_FAST and LAUNCH_ALL with JAX_FLASH_SLOW=1)
-LAUNCH_DEFAULT = [LAUNCH_FAST[i] for i in (1, 3, 4, 6, 7)]
+LAUNCH_DEFAULT = [LAUNCH_FAST[i] for i in (1, 3, 4)]
 
 
 @pytest.mark.parametrize("policy,causal,tiles,launch",
                          default_and_slow(LAUNCH_DEFAULT, LAUNCH_FAST + LAUNCH_ALL))
 def test_launch_changes_no_value(rng, assert_close, policy, causal, tiles, launch):
     """``Launch.split_diagonal`` (mask-free loops over the tiles below the causal diagonal and inside
-    kv_len), ``Launch.prefetch_scores`` (the next key tile's scores a loop step ahead) and
-    ``Launch.fwd_block`` (a program keeping several query tiles' rows): on tied rows under the
-    stable shift, with a kv tail (T = 50), O and L as the jnp executor's."""
+    kv_len) and ``Launch.prefetch_scores`` (the next key tile's scores a loop step ahead): on tied
+    rows under the stable shift, with a kv tail (T = 50), O and L as the jnp executor's."""
     q, k, v = tied_inputs(rng, (1, 50, 1, 32))
     compare_forward(assert_close, q, k, v, launch=launch, policy=policy, causal=causal, stable=True,
                     block_q=tiles[0], block_k=tiles[1])
-
-
-@pytest.mark.parametrize("policy", ["fa2", "paper"])
-def test_fwd_block_changes_no_bit(rng, policy):
-    """A forward program keeping 4 query tiles' rows (``Launch.fwd_block``) computes each row as a
-    program of one tile does, tiles wholly masked for some of its rows included: bit for bit, under
-    the stable shift and without, causal."""
-    q, k, v = make_qkv(rng, (1, 64, 2, 32))
-    for stable in (False, True):
-        call = lambda **launch: jf.attention(q, k, v, causal=True, stable=stable, policy=policy,
-                                             impl="pallas", block_q=16, block_k=16, **launch)
-        chex.assert_trees_all_equal(call(launch={"fwd_block": 64}), call())
 
 
 def test_vmap_adds_a_grid_axis(rng):

@@ -53,12 +53,7 @@ def test_attention_kernels_lower_for_triton(compiled_mode, kw, calls):
     assert _triton_calls(_grad_of_sum(packed), QKV) == calls
 
 
-@pytest.mark.parametrize("sub,fused,form", [(None, False, "chunks"), (4, True, "lanes")],
-                         ids=["two-loops+two-kernels", "one-read+fused-grad+lanes"])
-def test_model_kernels_lower_for_triton(compiled_mode, monkeypatch, sub, fused, form):
-    monkeypatch.setattr(layernorm, "BWD_SUB_ROWS", sub)
-    monkeypatch.setattr(loss_kernels, "FUSED_GRAD", fused)
-    monkeypatch.setattr(loss_kernels, "FORM", form)
+def test_model_kernels_lower_for_triton(compiled_mode):
     x = jax.ShapeDtypeStruct((64, 768), jnp.float32)
     r = jax.ShapeDtypeStruct((64, 768), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((768,), jnp.float32)
@@ -70,4 +65,4 @@ def test_model_kernels_lower_for_triton(compiled_mode, monkeypatch, sub, fused, 
     logits = jax.ShapeDtypeStruct((64, 50304), jnp.bfloat16)
     targets = jax.ShapeDtypeStruct((64,), jnp.int32)
     assert _triton_calls(jax.value_and_grad(loss_kernels.cross_entropy), logits,
-                         targets) == (1 if fused else 2)
+                         targets) == 1

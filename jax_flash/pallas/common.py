@@ -60,7 +60,7 @@ def compiler_params(launch, head_dim: int, block_q: int, block_k: int, *, backwa
 
 
 def resident_block(big: int | None, cfg, tq: int, tk: int) -> int | None:
-    """``big`` (``Launch.fwd_block`` / ``bwd_block`` / ``dq_block``) where it is a multiple of both
+    """``big`` (``Launch.bwd_block`` / ``dq_block``) where it is a multiple of both
     tiles and divides both padded lengths: the rows or keys a program keeps over the same streamed
     tiles, which changes no value."""
     if not big or big % cfg.block_q or big % cfg.block_k or tq % big or tk % big:

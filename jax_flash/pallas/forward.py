@@ -8,7 +8,6 @@ GPU, interpret mode on CPU. Inputs arrive padded to whole blocks in the layout `
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -19,7 +18,7 @@ from jax.experimental import pallas as pl
 from .. import tile
 from ..spec import Launch, Numerics
 from . import forward_mosaic
-from .common import compiler_params, interpret_mode, kernel_body, resident_block
+from .common import compiler_params, interpret_mode, kernel_body
 
 
 def _num_kv_tiles(i, cfg: Numerics, nk: int):
@@ -131,10 +130,6 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None, pa
                                              stages=launch.mosaic_fwd_stages)
     bsz, tq, h, d = unpacked_shape(q.shape) if packed else q.shape
     tk = k.shape[1]
-    # a program keeps `fwd_block` query rows over the same key tiles: each row's arithmetic is
-    # unchanged (a tile wholly masked for some of its rows adds nothing to them)
-    big = resident_block(launch.fwd_block, cfg, tq, tk)
-    cfg = dataclasses.replace(cfg, block_q=big) if big else cfg
     bq, bk, g = cfg.block_q, cfg.block_k, cfg.groups
     nq, nk = tq // bq, tk // bk
     kernel = functools.partial(_forward_kernel, cfg=cfg, launch=launch, nk=nk)
