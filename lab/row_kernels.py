@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 DEFAULT_VARIANTS = (
-    "ln-bwd,ln-bwd:sub=2,ln-bwd:sub=4;warps=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
+    "ln-bwd,ln-bwd:warps=4,ln-bwd:sub=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
     "ce-fwd,ce-fwd:warps=2,ce-fwd:rows=2;warps=2,ce-fwd:chunk=512,ce-fwd:chunk=2048;warps=2,"
     "ce-fwd:stages=1,ce-fwd:stages=3,ce-fused,ce-fused:warps=2,ce-fused:rows=2;warps=2,"
     "ce-fused:chunk=512,ce-fused:chunk=2048;warps=2,ce-fused:stages=1,ce-fused:stages=3,xla-ce,"
@@ -80,7 +80,7 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
                 s, r, w, 1e-5, jnp.dtype(jnp.bfloat16))
             sub = kw.get("sub", layernorm.BWD_SUB_ROWS)
             f = jax.jit(functools.partial(layernorm._add_backward, r_dtype=jnp.bfloat16, sub=sub,
-                                          warps=kw.get("warps", layernorm.NUM_WARPS)))
+                                          warps=kw.get("warps", layernorm.BWD_NUM_WARPS)))
             return f, (s, w, mean, rstd, dy, gs), moved
 
         def xla(x, r, w, dy, gs):

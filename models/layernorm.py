@@ -33,6 +33,7 @@ from jax_flash.pallas.common import interpret_mode as _interpret
 BLOCK_ROWS = 16  # rows per program
 BWD_SUB_ROWS = 4  # the backward's rows per step (faster than 2, 8 or two loops: lab.row_kernels)
 NUM_WARPS = 4
+BWD_NUM_WARPS = 2  # the backward's (faster than 4 or 8 there); the warps set its sums' order
 
 
 def triton_params(num_warps: int = NUM_WARPS, num_stages: int = 1):
@@ -173,7 +174,7 @@ def _forward(x2, w, eps, out_dtype):
                  "model_layernorm_fwd", x2, w)
 
 
-def _backward(x2, w, mean, rstd, dy2, sub, warps=NUM_WARPS):
+def _backward(x2, w, mean, rstd, dy2, sub, warps=BWD_NUM_WARPS):
     n, d = x2.shape
     kernel = functools.partial(_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
     dx, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row"),
@@ -190,7 +191,7 @@ def _add_forward(x2, r2, w, eps, out_dtype):
                  "model_add_layernorm_fwd", x2, r2, w)
 
 
-def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, sub, warps=NUM_WARPS):
+def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, sub, warps=BWD_NUM_WARPS):
     n, d = s2.shape
     kernel = functools.partial(_add_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
     ds, dr, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row", "row"),

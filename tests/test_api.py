@@ -41,9 +41,12 @@ REFERENCE_CASES = list(itertools.product(("fa2", "paper", "fp32"), (False, True)
     (p, True, "jnp", True) for p in ("fa2_sr", "paper_sr", "paper_sr_all")]
 
 
+# by default the kernels' cases are causal FA2-family ones (non-causal: test_cross_attention; the
+# other policies' kernels against the jnp executor's: tests/test_pallas_forward.py)
 @pytest.mark.parametrize("policy,stable,impl,causal", [
-    pytest.param(*c, marks=pytest.mark.slow) if c[2] == "pallas" and not c[3] else c
-    for c in REFERENCE_CASES])  # (non-causal kernels by default: test_cross_attention)
+    pytest.param(*c, marks=pytest.mark.slow)
+    if c[2] == "pallas" and (not c[3] or c[0] in ("fp32", "paper_fp32acc")) else c
+    for c in REFERENCE_CASES])
 def test_policy_matches_float64_reference(rng, assert_close, policy, stable, impl, causal):
     # odd length: several key tiles of 16, the last one partly past kv_len; tied rows for the shift
     shape = (1, 37, 2, 32)
@@ -92,7 +95,8 @@ def test_cross_attention(rng, assert_close, impl):
 
 
 @pytest.mark.parametrize("policy", ["fa2", "paper", "fp32"])
-@pytest.mark.parametrize("beta,score", [(2.0, 50.0), (7.0, 50.0), (7.0, 120.0),
+@pytest.mark.parametrize("beta,score", [(2.0, 50.0), (7.0, 50.0),
+                                        pytest.param(7.0, 120.0, marks=pytest.mark.slow),
                                         pytest.param(2.0, 120.0, marks=pytest.mark.slow)])
 def test_stable_with_large_tied_max(rng, assert_close, policy, beta, score):
     """The underflow guard: tied maxima of 50–120 with β = 2 and 7 ((β − 1)·r_m up to 720 nats, far
@@ -477,9 +481,10 @@ def test_scores_of_1e4(rng, assert_close, impl, policy):
 
 @pytest.mark.parametrize("shape,kw,impl", [
     ((1, 32, 2, 32), {"stable": True}, "pallas"),
-    ((1, 32, 3, 32), {"delta": "dpp", "policy": "paper", "causal": False}, "pallas"),
+    pytest.param((1, 32, 3, 32), {"delta": "dpp", "policy": "paper", "causal": False}, "pallas",
+                 marks=pytest.mark.slow),
     ((1, 40, 2, 24), {}, "pallas"),  # neither a whole number of tiles nor a kernel head_dim: sliced
-    ((1, 32, 2, 16), {}, "jnp"),
+    pytest.param((1, 32, 2, 16), {}, "jnp", marks=pytest.mark.slow),
 ])
 def test_attention_qkvpacked_is_attention_of_its_slots(shape, kw, impl):
     """``attention_qkvpacked(qkv)``: output and gradient bit-identical to ``attention`` of the three
