@@ -1,4 +1,4 @@
-"""The model's row kernels (the fused LayerNorm's backward, the Pallas loss) timed alone at the GPT-2
+"""The model's row kernels (the fused LayerNorm's backward, the Pallas loss, the GELU) timed alone at the GPT-2
 step's shapes, variants interleaved in one process.
 
     python -m lab.row_kernels [--tokens 32768] [--variants SPEC,...] [--rounds 6] [--reps 20]
@@ -11,8 +11,8 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
 - ``ce-fwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, and the statistics and
   gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
   ``rows``, ``chunk``, ``warps``, ``stages``);
-- ``gelu-fwd``, ``gelu-bwd``: the lane ``lab.gelu_lane`` (the erf-form GELU and its input
-  gradient as Pallas kernels) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``cols``, ``warps``);
+- ``gelu-fwd``, ``gelu-bwd``: ``models.gelu_kernels`` (the erf-form GELU and its input
+  gradient) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``warps``; elementwise: no value changes);
 - ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
   ``xla-ln-bwd``: XLA's LayerNorm backward after a residual addition, ``xla-gelu-fwd`` and
   ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its gradient.
@@ -40,8 +40,8 @@ DEFAULT_VARIANTS = (
     "ce-fwd,ce-fwd:warps=2,ce-fwd:rows=2;warps=2,ce-fwd:chunk=512,ce-fwd:chunk=2048;warps=2,"
     "ce-fwd:stages=1,ce-fwd:stages=3,ce-fused,ce-fused:warps=2,ce-fused:rows=2;warps=2,"
     "ce-fused:chunk=512,ce-fused:chunk=2048;warps=2,ce-fused:stages=1,ce-fused:stages=3,xla-ce,"
-    "xla-gelu-fwd,gelu-fwd:rows=8;warps=8,gelu-fwd:rows=16;warps=8,xla-gelu-bwd,"
-    "gelu-bwd:rows=8;warps=8,gelu-bwd:rows=16;warps=8")
+    "xla-gelu-fwd,gelu-fwd,gelu-fwd:rows=8,gelu-fwd:rows=32,xla-gelu-bwd,gelu-bwd,"
+    "gelu-bwd:rows=16,gelu-bwd:rows=4")
 D_MODEL, VOCAB = 768, 50304
 
 
@@ -92,19 +92,26 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
 
         return jax.jit(xla), (s, r, w, dy, gs), moved
     if kind in ("gelu-fwd", "gelu-bwd", "xla-gelu-fwd", "xla-gelu-bwd"):
-        from lab import gelu_lane
+        from models import gelu_kernels as gk
 
         h, g = cached("gelu", lambda: (
             jax.random.normal(k1, (tokens, 4 * D_MODEL), jnp.bfloat16) * 2,
             jax.random.normal(k2, (tokens, 4 * D_MODEL), jnp.bfloat16)))
-        launch = {k: v for k, v in kw.items() if k in ("rows", "cols", "warps")}
-        xla_fwd, xla_bwd = gelu_lane.xla_pair()
         one = tokens * 4 * D_MODEL * 2
-        return {"gelu-fwd": (jax.jit(functools.partial(gelu_lane.gelu, **launch)), (h,), 2 * one),
-                "gelu-bwd": (jax.jit(functools.partial(gelu_lane.gelu_input_grad, **launch)),
-                             (h, g), 3 * one),
-                "xla-gelu-fwd": (xla_fwd, (h,), 2 * one),
-                "xla-gelu-bwd": (xla_bwd, (h, g), 3 * one)}[kind]
+        if kind == "gelu-fwd":
+            launch = dict(rows=kw.get("rows", gk.FWD_ROWS), warps=kw.get("warps", gk.FWD_WARPS))
+            f = functools.partial(gk._blocks, gk._fwd_kernel, "model_gelu_fwd", h.dtype, **launch)
+            return jax.jit(f), (h,), 2 * one
+        if kind == "gelu-bwd":
+            launch = dict(rows=kw.get("rows", gk.BWD_ROWS), warps=kw.get("warps", gk.BWD_WARPS))
+            f = functools.partial(gk._blocks, gk._bwd_kernel, "model_gelu_bwd", h.dtype, **launch)
+            return jax.jit(f), (h, g), 3 * one
+        fwd = jax.jit(functools.partial(gpt2._gelu, form="erf"))
+        if kind == "xla-gelu-fwd":
+            return fwd, (h,), 2 * one
+        bwd = jax.jit(lambda h, g: jax.vjp(
+            functools.partial(gpt2.gelu_from_input, form="erf"), h)[1](g)[0])
+        return bwd, (h, g), 3 * one
     logits, targets = cached(f"ce{vocab}", lambda: (
         jax.random.normal(k1, (tokens, vocab), jnp.bfloat16) * 3,
         jax.random.randint(k2, (tokens,), 0, vocab)))

@@ -123,7 +123,8 @@ class GPTConfig:
     # "erf" is x·(1 + erf(x/√2))/2, the form PyTorch's exact GELU computes. The same function;
     # XLA's erf is one rational polynomial where its erfc takes an exp and two divisions, so "erf"
     # is cheaper, and it loses relative accuracy in the far negative tail (its absolute error there
-    # is a few |x|·2⁻²⁴). Last bits differ, so it is a named option
+    # is a few |x|·2⁻²⁴). Last bits differ, so it is a named option. "pallas": the erf form's
+    # arithmetic in two Pallas kernels (models/gelu_kernels.py), the backward from the bf16 input
     gelu: str = "erfc"
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
     # kernel per pass (models/layernorm.py), each residual addition in the kernels of the LayerNorm
@@ -399,12 +400,16 @@ class MLP(nnx.Module):
         return self.proj(gelu(self.fc(x)))
 
 
-GELUS = ("erfc", "erf")
+GELUS = ("erfc", "erf", "pallas")
 _SQRT_HALF = 0.7071067811865476
 
 
 def _gelu(h, form="erfc"):
     """Exact GELU in FP32, returned in ``h``'s dtype; ``form`` as ``GPTConfig.gelu``."""
+    if form == "pallas":
+        from models.gelu_kernels import gelu
+
+        return gelu(h)
     x = h.astype(jnp.float32)
     if form == "erfc":
         y = jax.nn.gelu(x, approximate=False)

@@ -395,10 +395,10 @@ def fp32_cross_entropy_of_upcast(logits, targets):
     return jnp.mean(lse - jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0])
 
 
-def assert_gelu_erf_within_bound():
-    """The GELU's "erf" form (``models.gpt2._gelu(h, "erf")``, x·(1 + erf(x/√2))/2 in FP32) on every
-    bf16 input in [-8, 8], value and derivative, against float64's exact GELU, on the default
-    device. Allowed: half a bf16 ulp of the result (its one rounding to bf16) plus what FP32 adds —
+def assert_gelu_erf_within_bound(form: str = "erf"):
+    """The GELU's "erf" form (``models.gpt2._gelu(h, "erf")``, x·(1 + erf(x/√2))/2 in FP32), or
+    ``form="pallas"``, the same arithmetic in Pallas kernels, on every bf16 input in [-8, 8], value
+    and derivative, against float64's exact GELU, on the default device. Allowed: half a bf16 ulp of the result (its one rounding to bf16) plus what FP32 adds —
     the backend's erf within E = 8·2⁻²⁴ absolutely (the accuracy this form requires of it), the
     rounding of x/√2 moving erf by under 2⁻²⁴, a few FP32 roundings of the products (4·2⁻²⁴
     relative), and results below 2⁻¹²⁶ flushed to zero as XLA does. 1 + erf is exact where
@@ -413,7 +413,7 @@ def assert_gelu_erf_within_bound():
     bits = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
     x = np.unique(bits[np.isfinite(bits) & (np.abs(bits) <= 8.0)])
     h = jnp.asarray(x, jnp.bfloat16)
-    y, vjp = jax.vjp(jax.jit(functools.partial(gpt2._gelu, form="erf")), h)
+    y, vjp = jax.vjp(jax.jit(functools.partial(gpt2._gelu, form=form)), h)
     (dy,) = vjp(jnp.ones_like(h))
     x64 = x.astype(np.float64)
     cdf = np.array([math.erfc(-v / math.sqrt(2)) / 2 for v in x64])

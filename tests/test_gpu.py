@@ -419,10 +419,12 @@ def test_gpu_attention_qkvpacked_is_attention_of_its_slots(stable):
     chex.assert_trees_all_equal(packed(qkv), sliced(qkv))
 
 
-def test_gpu_gelu_erf_form_within_its_bound():
-    """model.gelu="erf" compiled for the GPU (its erf is the GPU backend's): every bf16 input in
-    [-8, 8] within the bound the CPU test asserts (``helpers.assert_gelu_erf_within_bound``)."""
-    assert_gelu_erf_within_bound()
+@pytest.mark.parametrize("form", ["erf", "pallas"])
+def test_gpu_gelu_erf_form_within_its_bound(form):
+    """model.gelu="erf" compiled for the GPU (its erf is the GPU backend's), and "pallas" (the
+    Triton kernels): every bf16 input in [-8, 8] within the bound the CPU test asserts
+    (``helpers.assert_gelu_erf_within_bound``)."""
+    assert_gelu_erf_within_bound(form)
 
 
 def test_gpu_cross_entropy_of_bf16_logits_is_autodiffs():

@@ -12,7 +12,7 @@ import pytest
 import jax_flash as jf
 import jax_flash.pallas  # noqa: F401  (the package's forward/backward names are functions)
 from jax_flash.pallas import common
-from models import layernorm, loss_kernels
+from models import gelu_kernels, layernorm, loss_kernels
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -25,6 +25,7 @@ def compiled_mode(monkeypatch):
     for name in ("jax_flash.pallas.forward", "jax_flash.pallas.backward"):
         monkeypatch.setattr(sys.modules[name], "interpret_mode", off)
     monkeypatch.setattr(layernorm, "_interpret", off)
+    monkeypatch.setattr(gelu_kernels, "interpret_mode", off)
 
 
 def _triton_calls(f, *args) -> int:
@@ -66,3 +67,6 @@ def test_model_kernels_lower_for_triton(compiled_mode):
     targets = jax.ShapeDtypeStruct((64,), jnp.int32)
     assert _triton_calls(jax.value_and_grad(loss_kernels.cross_entropy), logits,
                          targets) == 1
+    h = jax.ShapeDtypeStruct((64, 3072), jnp.bfloat16)
+    assert _triton_calls(jax.value_and_grad(
+        lambda h: jnp.sum(gelu_kernels.gelu(h).astype(jnp.float32))), h) == 2

@@ -1,0 +1,98 @@
+"""The exact GELU's erf form in two Pallas kernels: ``GPTConfig.gelu = "pallas"``.
+
+XLA's fusions of the erf form (``gelu="erf"``) move the GELU's bytes at about 2.2–2.7 TB/s on an
+H200; kernels that stream wide blocks of the ``[tokens, 4·d]`` activations do better
+(``python -m lab.row_kernels``). Pallas' Triton lowering has no erf, so the kernels evaluate the
+kind of rational approximation XLA's FP32 erf is (x·P(x²)/Q(x²) on x clamped to [−4, 4], where erf
+is ±1 in FP32, with the coefficients Eigen and XLA use); the operations are grouped otherwise, so
+last bits differ from ``gelu="erf"`` — a named option, held to the same bound against float64
+(``tests/helpers.py``, ``assert_gelu_erf_within_bound``). The backward keeps only the bf16 input,
+as ``gelu_from_input`` does, and computes g·(Φ(x) + x·φ(x)) in one pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax_flash.pallas.common import interpret_mode
+from models.layernorm import triton_params
+
+SQRT_HALF = 0.7071067811865476
+INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+      -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+      -1.60960333262415e-02)
+_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+      -7.37332916720468e-03, -1.42647390514189e-02)
+COLS = 1024  # a program's block is ROWS × COLS of the flattened activations
+# rows and warps a program, forward and backward: the fastest lab.row_kernels compared (H200);
+# elementwise arithmetic, so they change no value
+FWD_ROWS, FWD_WARPS = 16, 8
+BWD_ROWS, BWD_WARPS = 8, 8
+
+
+def erf32(x):
+    """FP32 erf as x·P(x²)/Q(x²), x clamped to [−4, 4]."""
+    x = jnp.clip(x, -4.0, 4.0)
+    x2 = x * x
+    p = jnp.float32(_P[0])
+    for a in _P[1:]:
+        p = p * x2 + jnp.float32(a)
+    q = jnp.float32(_Q[0])
+    for b in _Q[1:]:
+        q = q * x2 + jnp.float32(b)
+    return x * p / q
+
+
+def _cdf(x):
+    return (1 + erf32(x * jnp.float32(SQRT_HALF))) / 2
+
+
+def _fwd_kernel(h_ref, y_ref):
+    x = h_ref[...].astype(jnp.float32)
+    y_ref[...] = (x * _cdf(x)).astype(y_ref.dtype)
+
+
+def _bwd_kernel(h_ref, g_ref, dh_ref):
+    x = h_ref[...].astype(jnp.float32)
+    pdf = jnp.float32(INV_SQRT_2PI) * jnp.exp(-(x * x) / 2)
+    dh_ref[...] = (g_ref[...].astype(jnp.float32) * (_cdf(x) + x * pdf)).astype(dh_ref.dtype)
+
+
+def _blocks(kernel, name, out_dtype, *arrays, rows: int, warps: int):
+    """``kernel`` over the arrays flattened into rows of COLS (padded with zeros where the size is
+    not a whole number of blocks), reshaped back."""
+    shape, size = arrays[0].shape, arrays[0].size
+    block = rows * COLS
+    padded = -(-size // block) * block
+    flat = [a.reshape(-1) for a in arrays]
+    if padded != size:
+        flat = [jnp.pad(a, (0, padded - size)) for a in flat]
+    flat = [a.reshape(-1, COLS) for a in flat]
+    spec = pl.BlockSpec((rows, COLS), lambda i: (i, 0))
+    out = pl.pallas_call(
+        kernel, grid=(padded // block,), in_specs=[spec] * len(flat), out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(flat[0].shape, out_dtype), interpret=interpret_mode(),
+        compiler_params=triton_params(warps, 1), name=name)(*flat)
+    return out.reshape(-1)[:size].reshape(shape)
+
+
+@jax.custom_vjp
+def gelu(h):
+    """x·Φ(x) of ``h`` (FP32 inside), in ``h``'s dtype; the backward keeps only ``h``."""
+    return _blocks(_fwd_kernel, "model_gelu_fwd", h.dtype, h, rows=FWD_ROWS, warps=FWD_WARPS)
+
+
+def _gelu_fwd(h):
+    return gelu(h), h
+
+
+def _gelu_bwd(h, g):
+    return (_blocks(_bwd_kernel, "model_gelu_bwd", h.dtype, h, g, rows=BWD_ROWS, warps=BWD_WARPS),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
