@@ -23,6 +23,10 @@ A training step's kernel time by op family (matmuls, attention, layer norms, GEL
 logits + cross-entropy, optimizer, copies, other; ``families``, rules in ``classify``), from the trace
 and the step's optimized HLO that ``python -m bench.train_step --profile DIR`` writes:
 ``python -m lab.trace_split --families DIR/trace.json.gz --hlo DIR/hlo.txt.gz --steps 3``.
+
+Where such a step's GPU idles (``gaps``): span, kernel time and count, idle time between events, the
+gaps by size, the largest with their neighbours, the gap between steps and the host's CUDA graph
+launches, per step of a JAX or PyTorch trace: ``python -m lab.trace_split --gaps TRACE --steps 3``.
 """
 
 from __future__ import annotations
@@ -168,8 +172,9 @@ _ATTENTION_NAME = re.compile(r"jax_flash|fmha|sdpa|flash_[fb]prop")
 _GEMM_NAME = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul")
 # the Pallas LayerNorm kernels of models/layernorm.py (custom calls: no fusion of their own to read)
 _LAYERNORM_NAME = re.compile(r"model_(add_)?layernorm")
-# the Pallas loss kernels of models/loss_kernels.py
+# the Pallas loss kernels of models/loss_kernels.py, the GELU's of models/gelu_kernels.py
 _CE_NAME = re.compile(r"model_cross_entropy")
+_GELU_NAME = re.compile(r"model_gelu")
 _COPY_NAME = re.compile(r"memcpy|memset|^(wrapped_)?(copy|transpose)")
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul")
 # Ops that only move, lay out or cast data: a fusion of nothing else is a copy (the bf16 copies of the
@@ -381,6 +386,8 @@ def classify(kernel: str, info: dict | None, vocab: int | None = None) -> tuple[
         return "layernorm", "kernel name"
     if _CE_NAME.search(k):
         return "logits_ce", "kernel name"
+    if _GELU_NAME.search(k):
+        return "elementwise", "kernel name"
     if info is None:
         if _GEMM_NAME.search(k):
             return "matmul", "kernel name"
@@ -583,6 +590,134 @@ def families_markdown(res: dict, title: str = "", top: int = 12) -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+# ----------------------------------------------------------------------------- idle gaps of a step
+# Where a step's GPU timeline is empty: the gaps between its device events (kernels, memsets,
+# memcpys), all streams taken together, so an event overlapping another leaves no gap.
+
+GAP_BUCKETS = ((2.0, "<2 µs"), (5.0, "2–5 µs"), (20.0, "5–20 µs"), (100.0, "20–100 µs"),
+               (float("inf"), ">100 µs"))
+_TORCH_KINDS = {"kernel": "kernel", "gpu_memset": "memset", "gpu_memcpy": "memcpy"}
+_GRAPH_LAUNCH = re.compile(r"^cu(da)?GraphLaunch")
+
+
+def _corr(e) -> str | None:
+    """The CUPTI correlation id tying a device event to its host launch (JAX's or PyTorch's key)."""
+    a = e.get("args") or {}
+    c = a.get("correlation_id", a.get("correlation"))
+    return None if c is None else str(c)
+
+
+def _device_events(events: list[dict]) -> list[dict]:
+    """A trace's GPU events by start, each with its kind: PyTorch's kernel / gpu_memset / gpu_memcpy
+    events, else ``kernel_events`` (a JAX trace's, whose memsets and memcpys carry details args)."""
+    ev = [e for e in events if e.get("ph") == "X" and e.get("cat") in _TORCH_KINDS]
+    if ev:
+        kinds = [_TORCH_KINDS[e["cat"]] for e in ev]
+    else:
+        ev = kernel_events(events)[0]
+        kinds = ["memset" if "Memset_details" in (e.get("args") or {}) else
+                 "memcpy" if "Memcpy_details" in (e.get("args") or {}) else "kernel" for e in ev]
+    out = [{"ts": e["ts"], "end": e["ts"] + e.get("dur", 0.0), "name": e["name"], "kind": k,
+            "corr": _corr(e)} for e, k in zip(ev, kinds)]
+    return sorted(out, key=lambda d: (d["ts"], d["end"]))
+
+
+def _gaps_between(ev: list[dict]) -> list[tuple]:
+    """(µs, event before, event after) wherever the next event (by start) begins after every
+    earlier one has ended; the event before is the one that ended last."""
+    out, last = [], ev[0]
+    for d in ev[1:]:
+        if d["ts"] > last["end"]:
+            out.append((d["ts"] - last["end"], last, d))
+        if d["end"] > last["end"]:
+            last = d
+    return out
+
+
+def _split_steps(ev: list[dict], launches: list[dict], steps: int) -> tuple[list[list[dict]], str]:
+    """``ev`` in ``steps`` groups: by the host graph launch each event's correlation id names, when
+    there are ``steps`` launches that cover every event; else equal groups when the event names
+    repeat ``steps`` times (steps run back to back); else cut at the ``steps - 1`` largest gaps
+    (steps waited for one by one)."""
+    if steps == 1:
+        return [ev], "one step"
+    step_of = {_corr(e): i for i, e in enumerate(sorted(launches, key=lambda e: e["ts"]))}
+    if len(step_of) == steps and all(d["corr"] in step_of for d in ev):
+        return [[d for d in ev if step_of[d["corr"]] == i] for i in range(steps)], "graph launches"
+    n, names = len(ev) // steps, [d["name"] for d in ev]
+    if n * steps == len(ev) and all(names[i] == names[i + n] for i in range(len(ev) - n)):
+        return [ev[i * n:(i + 1) * n] for i in range(steps)], "repeated event names"
+    at = {id(d): i for i, d in enumerate(ev)}
+    widest = sorted(_gaps_between(ev), key=lambda g: -g[0])[:steps - 1]
+    cuts = sorted(at[id(b)] for _, _, b in widest)
+    return [ev[a:b] for a, b in zip([0, *cuts], [*cuts, len(ev)])], "largest gaps"
+
+
+def gaps(trace, steps: int = 1, top: int = 12) -> dict:
+    """Per step of a trace of ``steps`` training steps (a path, or its events), means over the
+    steps: the span from the first GPU event's start to the last one's end, kernel time and count,
+    memsets and memcpys, idle time inside the span (gaps between events, overlaps counted once),
+    the gaps by size; the ``top`` largest gaps, the gaps between steps, host graph launches."""
+    events = load_trace(trace) if isinstance(trace, str) else trace
+    ev = _device_events(events)
+    if not ev:
+        raise ValueError("no GPU events in the trace")
+    launches = [e for e in events
+                if e.get("ph") == "X" and _GRAPH_LAUNCH.match(str(e.get("name", "")))]
+    groups, split = _split_steps(ev, launches, steps)
+    hist = [[0, 0.0] for _ in GAP_BUCKETS]
+    per_step, largest = [], []
+    for i, g in enumerate(groups):
+        within = _gaps_between(g)
+        for us, a, b in within:
+            h = hist[next(j for j, (hi, _) in enumerate(GAP_BUCKETS) if us < hi)]
+            h[0], h[1] = h[0] + 1, h[1] + us
+            largest.append({"us": us, "step": i + 1, "before": a["name"], "after": b["name"]})
+        count = lambda kind: sum(d["kind"] == kind for d in g)
+        kernel_us = sum(d["end"] - d["ts"] for d in g if d["kind"] == "kernel")
+        per_step.append({"span_ms": (max(d["end"] for d in g) - g[0]["ts"]) / 1e3,
+                         "kernel_ms": kernel_us / 1e3, "idle_ms": sum(w[0] for w in within) / 1e3,
+                         "kernels": count("kernel"), "memsets": count("memset"),
+                         "memcpys": count("memcpy")})
+    mean = {k: statistics.fmean(r[k] for r in per_step) for k in per_step[0]}
+    graph_corr = {_corr(e) for e in launches}
+    return {"steps": steps, "split": split, **mean, "busy_ms": mean["span_ms"] - mean["idle_ms"],
+            "per_step": per_step,
+            "histogram": [{"bucket": label, "count": n / steps, "ms": us / 1e3 / steps}
+                          for (_, label), (n, us) in zip(GAP_BUCKETS, hist)],
+            "largest": sorted(largest, key=lambda r: -r["us"])[:top],
+            "between_steps_us": [b[0]["ts"] - max(d["end"] for d in a)
+                                 for a, b in zip(groups, groups[1:])],
+            "graph_launches": len(launches),
+            "in_graph": sum(d["corr"] in graph_corr for d in ev) / len(ev)}
+
+
+def gaps_markdown(res: dict, title: str = "") -> str:
+    """``gaps`` as tables: the step's numbers, the gaps by size, the largest gaps."""
+    ps = lambda k, f: " / ".join(f.format(r[k]) for r in res["per_step"])
+    between = ", ".join(f"{x:.2f}" for x in res["between_steps_us"]) or "—"
+    graph = (f"{res['graph_launches']} graph launches on the host; {100 * res['in_graph']:.0f} % "
+             "of the GPU events launched by one" if res["graph_launches"]
+             else "no graph launches on the host")
+    lines = [f"{title}\n" if title else "",
+             f"Per step, mean of {res['steps']} (steps split by {res['split']}):", "",
+             "| | per step | each step |", "|---|---|---|",
+             f"| span, first GPU event's start to last end | {res['span_ms']:.2f} ms | "
+             f"{ps('span_ms', '{:.2f}')} |",
+             f"| kernel time (sum) | {res['kernel_ms']:.2f} ms | {ps('kernel_ms', '{:.2f}')} |",
+             f"| busy (union of events) | {res['busy_ms']:.2f} ms | |",
+             f"| idle between events | **{res['idle_ms']:.3f} ms** | {ps('idle_ms', '{:.3f}')} |",
+             f"| kernels / memsets / memcpys | {res['kernels']:g} / {res['memsets']:g} / "
+             f"{res['memcpys']:g} | |",
+             f"| gap between steps | {between} µs | |", f"| CUDA graph | {graph} | |",
+             "", "| gap | count / step | ms / step |", "|---|---|---|"]
+    lines += [f"| {h['bucket']} | {h['count']:.1f} | {h['ms']:.4f} |" for h in res["histogram"]]
+    lines += ["", "| largest gaps, µs | step | event before | event after |", "|---|---|---|---|"]
+    lines += [f"| {r['us']:.2f} | {r['step']} | `{r['before'][:60]}` | `{r['after'][:60]}` |"
+              for r in res["largest"]]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
 def _print_summary(shape, pss, spec, s, tag=""):
     fmt = lambda x: "—" if x is None else f"{x:.3f}"
     print(f"{shape} {pss} {spec:>20}{tag}: wait {fmt(s['wait_ms'])}  span {fmt(s['span_ms'])}  "
@@ -615,10 +750,19 @@ def main(argv=None):
     p.add_argument("--families", default=None, metavar="TRACE",
                    help="kernel time per op family of a training-step trace (no GPU), with --hlo")
     p.add_argument("--hlo", default=None, help="the step's optimized HLO text (.txt or .txt.gz)")
-    p.add_argument("--steps", type=int, default=1, help="steps in the --families trace")
+    p.add_argument("--gaps", default=None, metavar="TRACE",
+                   help="idle gaps between a step trace's GPU events (no GPU), with --steps")
+    p.add_argument("--steps", type=int, default=1, help="steps in the --families / --gaps trace")
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (logits' axis)")
-    p.add_argument("--top", type=int, default=12, help="largest kernels listed")
+    p.add_argument("--top", type=int, default=12, help="largest kernels (or gaps) listed")
     a = p.parse_args(argv)
+    if a.gaps:
+        text = gaps_markdown(gaps(a.gaps, a.steps, a.top))
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text)
+        print(text, end="")
+        return
     if a.families:
         index = None
         if a.hlo:

@@ -777,6 +777,8 @@ def test_families_by_kernel_name_alone():
     assert tsp.classify("model_add_layernorm_bwd__3", None) == ("layernorm", "kernel name")
     # and the Pallas loss kernels count as the loss, whatever their stack says
     assert tsp.classify("model_cross_entropy_fwd__2", None) == ("logits_ce", "kernel name")
+    # and the Pallas GELU kernels as GELU / elementwise
+    assert tsp.classify("model_gelu_bwd", None) == ("elementwise", "kernel name")
 
 
 def test_torch_families_judge_pytorch_kernels_by_name():

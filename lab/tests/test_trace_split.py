@@ -1,7 +1,9 @@
 """lab/trace_split.py: splitting a profiler trace into calls, kernels and idle time (the
 parser on synthetic traces with known answers; the capture on a CPU, where there are no GPU events)."""
 
+import gzip
 import json
+import random
 
 import numpy as np
 import pytest
@@ -100,3 +102,60 @@ def test_smi_summary_counts_busy_samples_and_the_power_cap(tmp_path):
     assert s["sm_mhz_median"] == 1800 and s["sm_mhz_min"] == 1700 and s["power_w_max"] == 705
     assert s["power_cap_fraction"] == pytest.approx(2 / 3)
     ts.main(["--smi", str(p)])  # the CLI path prints it without touching a GPU
+
+
+def _step_trace(kind, rename=False):
+    """Two steps of GPU events with known gaps, as JAX writes them (device pid, correlation ids, a
+    host cuGraphLaunch per step) or as PyTorch does (kernel / gpu_memset categories, no graph)."""
+    step = [("a", 100.0, 15.0), ("b", 105.0, 5.0),   # b runs inside a
+            ("Memset 0", 118.0, 1.0),                # 3 µs after a, 8 after b
+            ("c", 119.5, 20.0), ("d", 170.0, 10.0)]  # 0.5 µs, then 30.5 µs
+    ev = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    for i, shift in enumerate((0.0, 230.0)):
+        corr = str(11 + i)
+        if kind == "jax":
+            ev.append({"ph": "X", "pid": 2, "tid": 1, "name": "cuGraphLaunch (CudaGraph:5)",
+                       "ts": shift, "dur": 20.0, "args": {"correlation_id": corr}})
+        for name, t, dur in step:
+            t += shift - (22.5 if i and name == "d" else 0.0)  # step 2: an 8 µs gap before d
+            name = "e" if rename and i and name == "d" else name
+            e = {"ph": "X", "pid": 1, "tid": 3, "name": name, "ts": t, "dur": dur}
+            memset = name.startswith("Memset")
+            if kind == "jax":
+                e["args"] = {"correlation_id": corr}
+                if memset:
+                    e["args"]["Memset_details"] = "num_bytes:4"
+            else:
+                e.update(cat="gpu_memset" if memset else "kernel", args={"correlation": int(corr)})
+            ev.append(e)
+    random.Random(0).shuffle(ev)
+    return ev
+
+
+@pytest.mark.parametrize("kind,rename,split", [("jax", False, "graph launches"),
+                                               ("torch", False, "repeated event names"),
+                                               ("torch", True, "largest gaps")])
+def test_gaps_per_step(tmp_path, kind, rename, split):
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": _step_trace(kind, rename)}, f)
+    r = ts.gaps(str(path), steps=2)
+    assert r["split"] == split
+    assert [s["span_ms"] for s in r["per_step"]] == pytest.approx([0.080, 0.0575])
+    assert [s["idle_ms"] for s in r["per_step"]] == pytest.approx([0.034, 0.0115])
+    assert r["span_ms"] == pytest.approx(0.06875) and r["idle_ms"] == pytest.approx(0.02275)
+    assert r["busy_ms"] == pytest.approx(0.046) and r["kernel_ms"] == pytest.approx(0.050)
+    assert (r["kernels"], r["memsets"], r["memcpys"]) == (4, 1, 0)
+    # <2, 2–5, 5–20, 20–100, >100 µs
+    assert [h["count"] for h in r["histogram"]] == [1.0, 1.0, 0.5, 0.5, 0.0]
+    assert [h["ms"] for h in r["histogram"]] == pytest.approx([0.0005, 0.003, 0.004, 0.01525, 0.0])
+    assert r["between_steps_us"] == pytest.approx([150.0])
+    top = [(g["us"], g["step"], g["before"], g["after"]) for g in r["largest"]]
+    assert top[:2] == [(pytest.approx(30.5), 1, "c", "d"),
+                       (pytest.approx(8.0), 2, "c", "e" if rename else "d")]
+    assert (pytest.approx(3.0), 1, "a", "Memset 0") in top  # a ended last, not b
+    assert (r["graph_launches"], r["in_graph"]) == ((2, 1.0) if kind == "jax" else (0, 0.0))
+    out = tmp_path / "gaps.md"
+    ts.main(["--gaps", str(path), "--steps", "2", "--out", str(out)])
+    assert f"steps split by {split}" in out.read_text()
