@@ -7,9 +7,9 @@
 # Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step] [dropin]   (default: tests bench)
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET, DROPIN_TIMEOUT (seconds);
 #      SHAPES for the benchmark;
-#      STEP_ARMS, STEP_BATCH for the step (bench.train_step --arms, --batch);
-#      STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as profile-compare.md and
-#      profile.tgz);
+#      STEP_ARMS, STEP_BATCH, STEP_PRIMARY (fa2-stable) for the step (bench.train_step --arms,
+#      --batch, --primary); STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as
+#      profile-compare.md and profile.tgz), STEP_PROFILE_STEPS (--profile-steps, 3);
 #      K selects GPU tests (pytest -k).
 # `step` alone writes 4 files: env.txt, train_step.{json,log}, profile.tgz (profile/: profile.md,
 # trace.json.gz, hlo.txt.gz); it needs nanoGPT's model.py carried in third_party/nanoGPT (`make nanogpt`).
@@ -41,15 +41,15 @@ if [[ " $parts " == *" step "* ]]; then
   # its own, fa2-stable at 32 profiled; runs that would not end within STEP_BUDGET are skipped (the
   # fa2-stable / nanoGPT pairs come first), and the results file is complete after every run
   # STEP_ARMS: the arms timed (default: also fa2-stable with the fastest named options measured,
-  # E below, and E with each of the two options not yet timed and with both); STEP_BATCH: micro-batches
-  E="model.logits_dtype=bfloat16;model.layernorm=pallas;model.gelu=erf;model.gelu_from_input=true"
-  default_arms="fa2,fa2-stable,cudnn,fa2-stable[$E],fa2-stable[$E;model.cross_entropy=pallas]"
-  default_arms+=",fa2-stable[$E;model.packed_qkv=true]"
-  default_arms+=",fa2-stable[$E;model.cross_entropy=pallas;model.packed_qkv=true]"
+  # F below, and F with the GELU's Pallas kernels); STEP_BATCH: micro-batches
+  F="model.logits_dtype=bfloat16;model.layernorm=pallas;model.gelu=erf;model.gelu_from_input=true"
+  F+=";model.cross_entropy=pallas;model.packed_qkv=true"
+  default_arms="fa2,fa2-stable,cudnn,fa2-stable[$F],fa2-stable[${F/gelu=erf/gelu=pallas}]"
   timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch "${STEP_BATCH:-32,16}" \
     --arms "${STEP_ARMS:-$default_arms}" \
-    --primary fa2-stable --nanogpt third_party/nanoGPT \
+    --primary "${STEP_PRIMARY:-fa2-stable}" --nanogpt third_party/nanoGPT \
     --profile "$OUT/profile" ${STEP_PROFILE_ARMS:+--profile-arms "$STEP_PROFILE_ARMS"} \
+    --profile-steps "${STEP_PROFILE_STEPS:-3}" \
     --budget "${STEP_BUDGET:-520}" \
     --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "train step: exit $r"; tail -14 "$OUT/train_step.log"

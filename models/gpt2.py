@@ -125,6 +125,7 @@ class GPTConfig:
     # is cheaper, and it loses relative accuracy in the far negative tail (its absolute error there
     # is a few |x|·2⁻²⁴). Last bits differ, so it is a named option. "pallas": the erf form's
     # arithmetic in two Pallas kernels (models/gelu_kernels.py), the backward from the bf16 input
+    # (recompute_gelu and gelu_from_input change nothing under it)
     gelu: str = "erfc"
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
     # kernel per pass (models/layernorm.py), each residual addition in the kernels of the LayerNorm
@@ -393,7 +394,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         gelu = functools.partial(_gelu, form=self.form)
-        if self.recompute:
+        if self.form == "pallas":
+            pass  # its kernels' backward already starts from the input alone
+        elif self.recompute:
             gelu = jax.checkpoint(gelu)
         elif self.from_input:
             gelu = functools.partial(gelu_from_input, form=self.form)
