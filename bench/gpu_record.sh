@@ -19,9 +19,11 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 parts=${*:-tests bench}
 python3 - <<'PY' | tee "$OUT/env.txt"
 import subprocess, sys, jax, jaxlib
+from bench.train_step import git_tree
 rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+# the tree names the files that ran: a copied checkout's HEAD may be older than its files
 print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__,
-      jax.devices()[0].device_kind, "rev", rev or "?")
+      jax.devices()[0].device_kind, "rev", rev or "?", "tree", git_tree() or "?")
 PY
 rc=0
 if [[ " $parts " == *" tests "* ]]; then

@@ -279,6 +279,23 @@ def _git_rev():
         return None
 
 
+def git_tree(root=ROOT) -> str | None:
+    """The git tree hash of the working tree as it is (tracked and untracked files, ignored ones
+    left out), staged into a throwaway index: equal to ``git rev-parse COMMIT^{tree}`` exactly when
+    the files are that commit's, whatever HEAD a copied checkout's metadata says."""
+    with tempfile.TemporaryDirectory(prefix="tree-index-") as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        try:
+            for cmd in (["git", "add", "-A"], ["git", "write-tree"]):
+                res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                                     timeout=60)
+                if res.returncode:
+                    return None
+            return res.stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+
 def derive(run: dict, flops_per_token: float, peak_flops: dict) -> None:
     """tokens/s and MFU of a finished run, from its median and back-to-back step times."""
     from train.gpt2 import PEAK_BF16_FLOPS
@@ -329,6 +346,7 @@ def run_all(args) -> dict:
         "command": "python -m bench.train_step " + " ".join(args.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "git_rev": _git_rev(),
+        "git_tree": git_tree(),
         "preset": args.preset, "set": list(args.set),
         "model": {k: getattr(base.model, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size",
                                                          "block_size", "dtype", "logits_dtype")},

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--preset", "tiny-cpu", "--set", "model.n_layer=1", "--set", "model.n_embd=32",
         "--set", "model.n_head=2", "--set", "model.block_size=32", "--set", "model.vocab_size=384",
         "--set", "attention.impl=jnp"]
-TOP_KEYS = {"command", "date", "git_rev", "preset", "model", "seq_len", "n_params_non_embedding",
+TOP_KEYS = {"command", "date", "git_rev", "git_tree", "preset", "model", "seq_len", "n_params_non_embedding",
             "flops_per_token", "flops_formula", "timing", "steps", "warmup", "batches", "versions",
             "device", "runs", "total_s"}
 RUN_KEYS = {"arm", "batch", "framework", "status", "step_ms", "step_times_ms", "back_to_back_ms",
@@ -101,6 +101,29 @@ def test_timing_loop_on_a_simulated_device():
     assert (got["step_ms"]["q1"], got["step_ms"]["q3"]) == pytest.approx((11.25, 12.75))
     assert got["back_to_back_ms"] == pytest.approx((0.5 + sum(timed)) / 4)
     assert dev.i == 10
+
+
+def test_git_tree_is_the_commit_tree_exactly_when_the_files_are_the_commits(tmp_path):
+    """``git_tree``: a copied checkout whose HEAD is stale still names the files it ran."""
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+                                    cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("data/\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    first = git("rev-parse", "HEAD^{tree}").strip()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "big.npz").write_text("ignored")
+    assert ts.git_tree(tmp_path) == first
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").write_text("y = 1\n")  # untracked, not ignored: part of what ran
+    changed = ts.git_tree(tmp_path)
+    assert changed not in (None, first)
+    assert git("diff", "--cached", "--name-only") == ""  # the real index left alone
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert changed == git("rev-parse", "HEAD^{tree}").strip()
 
 
 def test_synthetic_batches_are_the_same_for_every_framework():

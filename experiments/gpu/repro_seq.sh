@@ -34,7 +34,8 @@ OUT=${OUT:-out}; RUNS=${RUNS:-/tmp/jf-repro}; LIMIT=$1; shift
 if [ -n "${VARIANT:-}" ]; then RUNS="$RUNS/$VARIANT"; DEST="$OUT/repro-$VARIANT"; else DEST="$OUT/repro"; fi
 read -r -a EXTRA <<< "${OVERRIDES:-}"
 mkdir -p "$DEST" "$RUNS"
-python3 -c "import jax, jaxlib, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices()[0].device_kind)" | tee "$OUT/env.txt"
+# the tree hash names the files that ran (a copied checkout's HEAD may be older than its files)
+python3 -c "import jax, jaxlib, sys; from bench.train_step import git_tree; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices()[0].device_kind, 'tree', git_tree())" | tee "$OUT/env.txt"
 if [ -n "${GPU_TESTS:-}" ]; then
   timeout 300 python3 -m pytest -m gpu tests/test_gpu.py -k "$GPU_TESTS" -q -s -x -p no:cacheprovider \
     > "$OUT/gpu_tests.log" 2>&1 || { tail -30 "$OUT/gpu_tests.log"; echo "gpu tests failed: stopping"; exit 1; }
