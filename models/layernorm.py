@@ -174,7 +174,7 @@ def _forward(x2, w, eps, out_dtype):
                  "model_layernorm_fwd", x2, w)
 
 
-def _backward(x2, w, mean, rstd, dy2, sub, warps=BWD_NUM_WARPS):
+def _backward(x2, w, mean, rstd, dy2, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS):
     n, d = x2.shape
     kernel = functools.partial(_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
     dx, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row"),
@@ -191,7 +191,7 @@ def _add_forward(x2, r2, w, eps, out_dtype):
                  "model_add_layernorm_fwd", x2, r2, w)
 
 
-def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, sub, warps=BWD_NUM_WARPS):
+def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS):
     n, d = s2.shape
     kernel = functools.partial(_add_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
     ds, dr, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row", "row"),
@@ -217,7 +217,7 @@ def _fwd(x, scale, eps, out_dtype):
 def _bwd(eps, out_dtype, res, g):
     x, scale, mean, rstd = res
     d = x.shape[-1]
-    dx, dw = _backward(x.reshape(-1, d), scale, mean, rstd, g.reshape(-1, d), BWD_SUB_ROWS)
+    dx, dw = _backward(x.reshape(-1, d), scale, mean, rstd, g.reshape(-1, d))
     return dx.reshape(x.shape).astype(x.dtype), dw.astype(scale.dtype)
 
 
@@ -250,7 +250,7 @@ def _add_bwd(eps, out_dtype, res, g):
     gs, gy = g
     d = s.shape[-1]
     ds, dr, dw = _add_backward(s, scale, mean, rstd, gy.reshape(-1, d), gs.reshape(-1, d),
-                               jnp.dtype(out_dtype), BWD_SUB_ROWS)
+                               jnp.dtype(out_dtype))
     shape = gs.shape
     return ds.reshape(shape), dr.reshape(shape), dw.astype(scale.dtype)
 

@@ -4,8 +4,9 @@ XLA computes the loss of bf16 logits in two passes over them (the row max, then 
 exponentials), each with its own read of the logits (3.3 GB a step at GPT-2's vocabulary and 32 K
 tokens). Here the forward reads every row once, keeping the running max m, the sum of exp(x − m)
 rescaled whenever m grows (the online softmax) and the target's logit; the gradient is
-exp(x − m)/s − [target] times the loss's cotangent a token, in the logits' dtype. Both in FP32. The sum of exponentials runs in another order, with rescalings, than XLA's,
-so last bits of loss and gradient differ from the default ``"xla"`` loss — a named option, within
+exp(x − m)/s − [target] times the loss's cotangent a token, in the logits' dtype. Both in FP32.
+The sum of exponentials runs in another order, with rescalings, than XLA's, so last bits of loss
+and gradient differ from the default ``"xla"`` loss — a named option, within
 the bound tests/helpers.py derives (``cross_entropy_bounds``).
 
 The training forward, the custom VJP's, computes the gradient at a cotangent of 1 in the same
@@ -36,6 +37,7 @@ BLOCK_ROWS = 1
 CHUNK = 1024  # columns per step of the vocabulary loop
 NUM_WARPS = 1
 NUM_STAGES = 2
+F32 = jnp.float32
 
 
 def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
@@ -80,14 +82,6 @@ def _safe(m):
 def _stats(x_ref, t, *, v: int, chunk: int):
     """(shift, sum of exp(x − shift), target's logit) of the program's rows, in one read: the
     running max and sum a row, rescaled once per chunk after the chunk's max."""
-    zero = jnp.zeros(t.shape, jnp.float32)
-    init = (jnp.full(t.shape, -jnp.inf, jnp.float32), zero, zero)
-    m, s, tgt = _walk(v, chunk, _chunk_step(x_ref, t), init)
-    return _safe(m), s, tgt
-
-
-def _chunk_step(x_ref, t):
-    """The "chunks" walk's step: (m, s, tgt) after the columns [start, start + w)."""
     def step(start, w, carry):
         m, s, tgt = carry
         x = x_ref[:, pl.ds(start, w)].astype(jnp.float32)
@@ -98,7 +92,9 @@ def _chunk_step(x_ref, t):
         tgt = tgt + jnp.sum(jnp.where(cols == t[:, None], x, 0.0), axis=1)
         return m_new, s, tgt
 
-    return step
+    zero = jnp.zeros(t.shape, F32)
+    m, s, tgt = _walk(v, chunk, step, (jnp.full(t.shape, -jnp.inf, F32), zero, zero))
+    return _safe(m), s, tgt
 
 
 def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int):
@@ -155,9 +151,6 @@ def row_stats_and_grad(logits, targets, g_rows, **launch):
                           (("vec", F32),) * 3 + (("row", logits.dtype),),
                           "model_cross_entropy_fwd_grad", x2, t1, g_rows, **launch)
     return m, s, tgt, dx.reshape(logits.shape)
-
-
-F32 = jnp.float32
 
 
 @jax.custom_vjp
