@@ -27,6 +27,10 @@ and the step's optimized HLO that ``python -m bench.train_step --profile DIR`` w
 Where such a step's GPU idles (``gaps``): span, kernel time and count, idle time between events, the
 gaps by size, the largest with their neighbours, the gap between steps and the host's CUDA graph
 launches, per step of a JAX or PyTorch trace: ``python -m lab.trace_split --gaps TRACE --steps 3``.
+
+What the host does in each jitted call (``host``): the call's length, the time to its first launch
+(what a step waited for adds to the GPU's time) and the runtime's phases before and after it:
+``python -m lab.trace_split --host TRACE``.
 """
 
 from __future__ import annotations
@@ -718,6 +722,61 @@ def gaps_markdown(res: dict, title: str = "") -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+# host phases of one JAX call, in the order the runtime enters them
+HOST_PHASES = ("ParseArguments", "ExecutePrepare", "Build buffer allocations", "Thunks::Initialize",
+               "command_buffer::update", "cuGraphLaunch", "CreateOutputs")
+_LAUNCH_API = re.compile(r"^cu(da)?(GraphLaunch|LaunchKernel)")
+
+
+def _outermost(ev: list[dict]) -> list[dict]:
+    """Events of one thread not inside an earlier one (by start, then the longer first)."""
+    out, end = [], float("-inf")
+    for e in sorted(ev, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
+        if e["ts"] >= end:
+            out.append(e)
+            end = e["ts"] + e.get("dur", 0.0)
+    return out
+
+
+def host(trace, call_marker: str = "PjitFunction(") -> dict:
+    """The host's side of each jitted call in a JAX trace (the outermost ``call_marker`` events of
+    the thread that makes them): the call's length, the time from its start to its first launch
+    (a CUDA graph or a kernel), which a step waited for adds to the GPU's time, and the
+    ``HOST_PHASES`` inside it. Medians over the calls, µs. In calls dispatched back to back the
+    graph launch blocks while the previous step runs, so its own length is not host work."""
+    events = load_trace(trace) if isinstance(trace, str) else trace
+    xs = [e for e in events if e.get("ph") == "X"]
+    marks = [e for e in xs if str(e.get("name", "")).startswith(call_marker)]
+    if not marks:
+        raise ValueError(f"no {call_marker!r} events in the trace")
+    thread = statistics.mode((e["pid"], e["tid"]) for e in marks)
+    same = [e for e in xs if (e["pid"], e["tid"]) == thread]
+    calls = _outermost([e for e in marks if (e["pid"], e["tid"]) == thread])
+    rows = []
+    for c in calls:
+        lo, hi = c["ts"], c["ts"] + c.get("dur", 0.0)
+        inside = [e for e in same if lo <= e["ts"] < hi]
+        launch = min((e["ts"] for e in inside if _LAUNCH_API.match(str(e["name"]))), default=None)
+        phases = {ph: sum(e.get("dur", 0.0) for e in inside if ph in str(e["name"]))
+                  for ph in HOST_PHASES}
+        rows.append({"call_us": hi - lo, "to_launch_us": None if launch is None else launch - lo,
+                     **{f"{ph}_us": v for ph, v in phases.items()}})
+    med = lambda k: (statistics.median(v) if (v := [r[k] for r in rows if r[k] is not None])
+                     else None)
+    return {"calls": len(rows), **{k: med(k) for k in rows[0]}, "per_call": rows}
+
+
+def host_markdown(res: dict, title: str = "") -> str:
+    fmt = lambda x: "—" if x is None else f"{x:.0f}"
+    lines = [f"{title}\n" if title else "",
+             f"Host side of {res['calls']} jitted calls, median µs:", "",
+             "| | µs |", "|---|---|",
+             f"| call | {fmt(res['call_us'])} |",
+             f"| call start to first launch | **{fmt(res['to_launch_us'])}** |"]
+    lines += [f"| {ph} | {fmt(res[ph + '_us'])} |" for ph in HOST_PHASES]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
 def _print_summary(shape, pss, spec, s, tag=""):
     fmt = lambda x: "—" if x is None else f"{x:.3f}"
     print(f"{shape} {pss} {spec:>20}{tag}: wait {fmt(s['wait_ms'])}  span {fmt(s['span_ms'])}  "
@@ -752,10 +811,19 @@ def main(argv=None):
     p.add_argument("--hlo", default=None, help="the step's optimized HLO text (.txt or .txt.gz)")
     p.add_argument("--gaps", default=None, metavar="TRACE",
                    help="idle gaps between a step trace's GPU events (no GPU), with --steps")
+    p.add_argument("--host", default=None, metavar="TRACE",
+                   help="the host's side of each jitted call in a JAX trace (no GPU)")
     p.add_argument("--steps", type=int, default=1, help="steps in the --families / --gaps trace")
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (logits' axis)")
     p.add_argument("--top", type=int, default=12, help="largest kernels (or gaps) listed")
     a = p.parse_args(argv)
+    if a.host:
+        text = host_markdown(host(a.host))
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text)
+        print(text, end="")
+        return
     if a.gaps:
         text = gaps_markdown(gaps(a.gaps, a.steps, a.top))
         if a.out:

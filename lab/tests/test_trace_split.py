@@ -159,3 +159,33 @@ def test_gaps_per_step(tmp_path, kind, rename, split):
     out = tmp_path / "gaps.md"
     ts.main(["--gaps", str(path), "--steps", "2", "--out", str(out)])
     assert f"steps split by {split}" in out.read_text()
+
+
+def test_host_side_of_each_call(tmp_path):
+    """Two calls with nested markers and phases at known times; another thread's events and a
+    kernel launch outside any call must not count."""
+    ev = [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    x = lambda name, ts, dur, tid=1: {"ph": "X", "pid": 2, "tid": tid, "name": name, "ts": ts,
+                                      "dur": dur}
+    for t0, update, launch_at in ((0.0, 300.0, 700.0), (5000.0, 500.0, 900.0)):
+        ev += [x("PjitFunction(jit(step))", t0, 3000.0), x("PjitFunction(jit(step))", t0 + 2, 2990.0),
+               x("ParseArguments", t0 + 10, 150.0),
+               x("CommonPjRtLoadedExecutable::ExecutePrepare", t0 + 200, 100.0),
+               x("command_buffer::update", t0 + 350, update),
+               x("cuGraphLaunch (CudaGraph:1)", t0 + launch_at, 2000.0),
+               x("CommonPjRtClient::CreateOutputs", t0 + 2800, 120.0),
+               x("command_buffer::update", t0 + 400, 999.0, tid=9)]  # another thread
+    ev.append(x("cuLaunchKernel", 4000.0, 5.0))  # between the calls
+    random.Random(1).shuffle(ev)
+    r = ts.host(ev)
+    assert r["calls"] == 2
+    assert [c["to_launch_us"] for c in r["per_call"]] == [700.0, 900.0]
+    assert [c["command_buffer::update_us"] for c in r["per_call"]] == [300.0, 500.0]
+    assert r["to_launch_us"] == 800.0 and r["call_us"] == 3000.0
+    assert (r["ParseArguments_us"], r["ExecutePrepare_us"], r["CreateOutputs_us"]) == (150.0, 100.0, 120.0)
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    out = tmp_path / "host.md"
+    ts.main(["--host", str(path), "--out", str(out)])
+    assert "| call start to first launch | **800** |" in out.read_text()
