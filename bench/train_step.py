@@ -90,7 +90,9 @@ def jax_worker(spec: dict) -> dict:
     tx, schedule = make_optimizer(cfg)
     state = jax.device_put(init_state(cfg, params, tx), replicated)
     del params
-    toks = synthetic_batches(spec["seed"], 2, accum, micro, seq, cfg.model.vocab_size).astype(np.int32)
+    n_batches = spec.get("batches", BENCH_SETTINGS["batches"])
+    toks = synthetic_batches(spec["seed"], n_batches, accum, micro, seq,
+                             cfg.model.vocab_size).astype(np.int32)
     batches = [jax.device_put((t[..., :-1], t[..., 1:]), data_sharding) for t in toks]
     step_fn = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
                                         mesh=mesh),
@@ -102,7 +104,7 @@ def jax_worker(spec: dict) -> dict:
     del state
 
     def step():
-        b = batches[held["i"] % 2]
+        b = batches[held["i"] % n_batches]
         held["i"] += 1
         held["state"], metrics = compiled(held["state"], b)
         return metrics  # one executable: its outputs are ready together
@@ -191,11 +193,12 @@ def arm_overrides(spec: str) -> list[str]:
     """Config overrides of an arm as ``--arms`` names it: an experiments/arms.py name, optionally
     with more overrides in brackets, ``;``-separated — e.g. ``fa2-stable[model.logits_dtype=bfloat16]``
     (a named option timed beside the arm itself). Entries that start with ``--xla_`` are XLA flags
-    for that arm's process (``arm_xla_flags``), not overrides."""
+    for that arm's process (``arm_xla_flags``), those that start with ``bench.`` settings of the
+    timing (``arm_bench_settings``), not overrides."""
     from experiments import arms as arms_lib
 
     name, extra = _arm_parts(spec)
-    return arms_lib.overrides(name) + [o for o in extra if not o.startswith("--xla_")]
+    return arms_lib.overrides(name) + [o for o in extra if not o.startswith(("--xla_", "bench."))]
 
 
 def arm_xla_flags(spec: str) -> list[str]:
@@ -203,6 +206,27 @@ def arm_xla_flags(spec: str) -> list[str]:
     added to ``XLA_FLAGS`` for that arm's process alone, so that what a compiler setting moves is
     timed beside the arm without it."""
     return [o for o in _arm_parts(spec)[1] if o.startswith("--xla_")]
+
+
+BENCH_SETTINGS = {"batches": 2}  # distinct device batches the timed steps cycle through
+
+
+def arm_bench_settings(spec: str) -> dict:
+    """The timing's settings an arm's brackets name, e.g. ``fa2-stable[bench.batches=1]`` (every
+    step reads the same batch buffer, so no input's address changes between steps): the defaults
+    of ``BENCH_SETTINGS`` with those given."""
+    out = dict(BENCH_SETTINGS)
+    for o in _arm_parts(spec)[1]:
+        if not o.startswith("bench."):
+            continue
+        key, eq, value = o[len("bench."):].partition("=")
+        if key not in BENCH_SETTINGS or not eq:
+            raise ValueError(f"arm {spec!r}: {o!r}: expected bench.KEY=VALUE, KEY one of "
+                             f"{', '.join(BENCH_SETTINGS)}")
+        out[key] = int(value)
+        if out[key] < 1:
+            raise ValueError(f"arm {spec!r}: {o!r} must be at least 1")
+    return out
 
 
 def _configs(args):
@@ -388,6 +412,8 @@ def run_all(args) -> dict:
             if kind == "jax":
                 cfg = config_lib.apply_overrides(per_arm[arm], [f"data.batch_size={batch}"])
                 run["overrides"] = arm_overrides(arm)
+                if arm_bench_settings(arm) != BENCH_SETTINGS:
+                    run["bench_settings"] = arm_bench_settings(arm)
             else:  # one GPU
                 cfg = config_lib.apply_overrides(base, [f"data.batch_size={batch}"])
                 run.update(nanogpt=args.nanogpt, grad_accum=grad_accum_steps(cfg, 1))
@@ -412,6 +438,7 @@ def run_all(args) -> dict:
                     "result": str(work / f"result-{i}.json")}
             if kind == "jax":
                 spec["config"] = config_lib.to_dict(cfg)
+                spec.update(arm_bench_settings(arm))
                 if profile:
                     spec.update(profile=profile_dir(args, arm), profile_steps=args.profile_steps)
                 cmd = [sys.executable, "-m", "bench.train_step", "--worker", str(work / f"spec-{i}.json")]

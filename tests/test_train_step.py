@@ -349,6 +349,30 @@ def test_an_arms_xla_flags_reach_only_its_process(tmp_path, monkeypatch):
     assert [r.get("xla_flags") for r in res["runs"]] == [None, ["--xla_gpu_enable_command_buffer="]]
 
 
+def test_an_arms_bench_settings_reach_only_its_worker(tmp_path, monkeypatch):
+    """``bench.KEY=VALUE`` entries set the timing of that arm's worker (here one batch buffer for
+    every step), are neither overrides nor XLA flags, and are recorded with its run."""
+    arm = "fa2[bench.batches=1]"
+    assert ts.arm_overrides(arm) == ts.arm_overrides("fa2") and ts.arm_xla_flags(arm) == []
+    assert ts.arm_bench_settings(arm) == {"batches": 1}
+    assert ts.arm_bench_settings("fa2") == ts.BENCH_SETTINGS == {"batches": 2}
+    for bad in ("fa2[bench.batch=1]", "fa2[bench.batches]", "fa2[bench.batches=0]"):
+        with pytest.raises(ValueError):
+            ts.arm_bench_settings(bad)
+    fake = FakeRuns({("fa2", 4): 10.0, (arm, 4): 9.0}, {"jax": 1.0})
+    seen = {}
+
+    def launch(cmd, env, timeout, log_path):
+        spec = json.loads(Path(cmd[-1]).read_text())
+        seen[spec["arm"]] = spec.get("batches")
+        return fake.launch(cmd, env, timeout, log_path)
+
+    monkeypatch.setattr(ts, "_launch", launch)
+    res = ts.main(["--arms", f"fa2,{arm}", "--batch", "4", "--out", str(tmp_path / "r.json")])
+    assert seen == {"fa2": 2, arm: 1}
+    assert [r.get("bench_settings") for r in res["runs"]] == [None, {"batches": 1}]
+
+
 def test_an_arm_with_more_overrides():
     """NAME[KEY=VALUE;...]: the arm's own overrides, then these — a named option timed beside it."""
     base = ts.arm_overrides("fa2-stable")
