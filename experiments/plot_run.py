@@ -201,11 +201,24 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None, n_heads
     return save_figure(fig, out)
 
 
-def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) -> Path:
-    """Layer ``layer``'s max logit over steps, one panel per seed (at most four a row): colour =
-    arm, line style = execution (``roots[i]/<arm>-s<seed>`` is execution i + 1), a cross where the
-    divergence stop ended an execution — how far repeated executions of one configuration part,
-    beside how far the arms do. A seed with no execution yet keeps an empty, labelled panel."""
+def running_mean(s, v, window: int):
+    """(steps, mean of the last ``window`` values) from the ``window``-th value on."""
+    if len(v) < window:
+        return s[:0], v[:0]
+    c = np.cumsum(np.concatenate([[0.0], v]))
+    return s[window - 1:], (c[window:] - c[:-window]) / window
+
+
+def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None,
+                    metric: str = "logit", window: int = 50) -> Path:
+    """Layer ``layer``'s max logit (``metric="logit"``) or the training loss's running mean over
+    ``window`` steps (``metric="loss"``, the mean the loss-failure rule of experiments/search.py
+    reads) over steps, one panel per seed (at most four a row): colour = arm, line style =
+    execution (``roots[i]/<arm>-s<seed>`` is execution i + 1), a cross where the divergence stop
+    ended an execution — how far repeated executions of one configuration part, beside how far the
+    arms do. A seed with no execution yet keeps an empty, labelled panel."""
+    if metric not in ("logit", "loss"):
+        raise ValueError(f"metric {metric!r}: 'logit' or 'loss'")
     ncols = min(4, len(seeds))
     nrows = -(-len(seeds) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.6 * ncols, 4.6 * nrows), sharex=True,
@@ -221,7 +234,10 @@ def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) ->
                 if not has_metrics(d):
                     continue
                 made = True
-                s, v = series(read_metrics(d), f"max_logit/L{layer}")
+                if metric == "loss":
+                    s, v = running_mean(*series(read_metrics(d), "loss"), window)
+                else:
+                    s, v = series(read_metrics(d), f"max_logit/L{layer}")
                 if horizon:
                     s, v = s[s <= horizon], v[s <= horizon]
                 # the reference arm in black, so it never shares a hue with a flash arm
@@ -232,13 +248,15 @@ def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None) ->
                 if len(s) and summary.exists() and json.loads(summary.read_text()).get("diverged_at"):
                     ax.plot(s[-1], v[-1], "x", color=color, ms=9, mew=2)
         ax.set(title=f"seed {seed}" + ("" if made else " (no execution yet)"), xlabel="step",
-               yscale="log")
+               yscale="log" if metric == "logit" else "linear")
         ax.grid(alpha=0.3)
         if made:
             ax.legend(fontsize=7)
+    what = (f"max attention logit, layer {layer} (0-based)" if metric == "logit"
+            else f"training loss, mean of the last {window} steps")
     for row in axes:
-        row[0].set_ylabel(f"max attention logit, layer {layer} (0-based)")
-    fig.suptitle(f"max attention logit of layer {layer} (0-based) per execution "
+        row[0].set_ylabel(what)
+    fig.suptitle(f"{what}, per execution "
                  "(colour: arm; style: execution; ×: ended by the divergence stop)")
     return save_figure(fig, out)
 

@@ -419,6 +419,12 @@ def executions_cmd(args):
         from experiments.plot_run import plot_executions
 
         plot_executions(args.roots, arms, seeds, args.plot, horizon=args.horizon)
+    if args.plot_loss:
+        from experiments.plot_run import plot_executions
+        from experiments.search import WINDOW
+
+        plot_executions(args.roots, arms, seeds, args.plot_loss, horizon=args.horizon,
+                        metric="loss", window=WINDOW)
 
 
 def rerun_cmd(args):
@@ -474,6 +480,8 @@ def main(argv=None):
     e.add_argument("--factor", type=float, default=10.0)
     e.add_argument("--md", default=None)
     e.add_argument("--plot", default=None, help="PNG: one panel per seed")
+    e.add_argument("--plot-loss", default=None,
+                   help="PNG: the training loss's running mean (the loss-failure rule's), one panel per seed")
     e.add_argument("--compare", action="append", default=[],
                    help="ARMS:ARMS (comma-separated groups), e.g. fa2,fa2-stable:fa2-dpp — pooled "
                         "counts above 100 and a one-sided Fisher exact test")

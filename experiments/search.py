@@ -266,6 +266,8 @@ def series_markdown(results) -> str:
 
 
 def markdown(rows) -> str:
+    """``verdict`` rows as a table; "runaway" is "—" where no standard execution of the seed was
+    there to judge against."""
     num = lambda x, f="{:,.1f}": "—" if x is None else f.format(x)
     lines = ["| run | steps | loss failure at | mean loss, last 50 | L1 max logit, last probe | "
              "largest probe | ÷ standard (at step) | runaway |", "|---|---|---|---|---|---|---|---|"]
@@ -276,7 +278,7 @@ def markdown(rows) -> str:
                      f"{num(r['final_loss'], '{:.3f}')} | "
                      f"{'—' if lp is None else f'{lp[1]:,.1f} at {lp[0]:,}'} | "
                      f"{num(r['max_probe'])} | {num(r['ratio_to_standard'])}{at} | "
-                     f"{'yes' if r['runaway'] else 'no'} |")
+                     f"{'—' if r['ratio_to_standard'] is None else 'yes' if r['runaway'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -331,7 +333,8 @@ def main(argv=None):
     elif args.cmd == "overrides":
         print("\n".join(overrides(args.setting)))
     else:
-        text = markdown(verdict(args.runs))
+        # rows by run name whatever order the shell's glob gave (it follows the locale)
+        text = markdown(verdict(sorted(args.runs, key=lambda p: Path(p).name)))
         print(text, end="")
         if args.md:
             Path(args.md).write_text(text)

@@ -529,6 +529,30 @@ def test_plot_executions_marks_the_divergence_stop_and_keeps_seeds_not_made(prob
     assert not axes[1].get_lines()
 
 
+def test_running_mean_and_the_loss_view_of_the_executions(probed_run, tmp_path, monkeypatch):
+    """The loss panels plot the running mean the loss-failure rule reads, on a linear axis."""
+    import shutil
+
+    s, v = plot_run.running_mean(np.arange(1, 7), np.array([1.0, 2, 3, 4, 5, 9]), 3)
+    np.testing.assert_array_equal(s, [3, 4, 5, 6])
+    np.testing.assert_allclose(v, [2.0, 3.0, 4.0, 6.0])
+    assert len(plot_run.running_mean(np.arange(2), np.ones(2), 3)[0]) == 0
+    run, _, _ = probed_run
+    root = tmp_path / "executions"
+    shutil.copytree(run, root / "fa2-s1")
+    figs = []
+    monkeypatch.setattr(plot_run, "save_figure", lambda fig, out: figs.append(fig) or out)
+    plot_run.plot_executions([root], ["fa2"], [1], tmp_path / "x.png", metric="loss", window=2)
+    ax = figs[0].axes[0]
+    steps, losses = plot_run.series(plot_run.read_metrics(root / "fa2-s1"), "loss")
+    want_s, want_v = plot_run.running_mean(steps, losses, 2)
+    np.testing.assert_allclose(ax.get_lines()[0].get_ydata(), want_v)
+    np.testing.assert_array_equal(ax.get_lines()[0].get_xdata(), want_s)
+    assert ax.get_yscale() == "linear" and "training loss" in ax.get_ylabel()
+    with pytest.raises(ValueError):
+        plot_run.plot_executions([root], ["fa2"], [1], tmp_path / "y.png", metric="lr")
+
+
 def test_snapshot_and_lowrank_cli(probed_run, tmp_path, capsys):
     run, _, snap = probed_run
     assert [p.name for p in snap.saved] == ["snap_L1_H2_step2.npz", "snap_L1_H2_step6.npz"]

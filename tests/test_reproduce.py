@@ -254,3 +254,16 @@ def test_committed_count_tables_are_what_their_command_writes(table, tmp_path, c
     R.main(["executions", *COUNT_TABLES[table], "--md", str(out)])
     capsys.readouterr()
     assert out.read_text() == Path(table).read_text(), f"regenerate {table} (results INDEX)"
+
+
+def test_committed_loss_table_is_what_its_command_writes(tmp_path, capsys):
+    """results/confirm/l6_loss.md, the loss failure of every execution reported beside the design's
+    endpoint, equals what `python -m experiments.search verdict results/confirm/l6/*-s*/` writes."""
+    from experiments import search
+
+    runs = sorted(str(p) for p in Path(CF).glob("*-s*") if p.is_dir())
+    out = tmp_path / "loss.md"
+    search.main(["verdict", *runs, "--md", str(out)])
+    capsys.readouterr()
+    assert out.read_text() == Path("results/confirm/l6_loss.md").read_text(), \
+        "regenerate results/confirm/l6_loss.md (results/confirm/INDEX.md)"

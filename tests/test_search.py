@@ -42,6 +42,10 @@ def test_verdict_ratios_to_the_same_seeds_standard_arm(tmp_path):
     assert rows["fa2-s1"]["ratio_to_standard"] == pytest.approx(30.0)
     assert rows["fa2-s1"]["runaway"] and not rows["standard-s1"]["runaway"]
     assert "fa2-s1" in search.markdown(list(rows.values()))
+    alone = search.verdict([fa2])[0]  # no standard execution of seed 1: not judged, not "no"
+    assert alone["ratio_to_standard"] is None and not alone["runaway"]
+    assert search.markdown([alone]).splitlines()[-1].endswith("| — | — |")
+    assert search.markdown(list(rows.values())).splitlines()[2].endswith("| yes |")
 
 
 def test_every_setting_applies_to_the_preset():
