@@ -12,7 +12,9 @@ tiny GPT-2 trained three ways on real text, and the committed GPU reproduction r
    control (experiments/arms.py): metrics under --out, a loss plot, a summary table. A short run on
    a small corpus shows the stack working and the arms agreeing; the failure needs GPU-scale runs.
 4. The GPU reproduction committed under results/repro, re-counted and re-plotted from its raw
-   metrics: layer 2's max attention logit per execution and arm.
+   metrics: layer 2's max attention logit per execution and arm; then the search's and the
+   confirmatory design's executions in the authors' rounding (results/search/l6, results/confirm):
+   runaways, loss failures and the training losses of the latter drawn per seed.
 Then a few sentences of what the numbers say.
 """
 
@@ -53,7 +55,7 @@ def main(argv=None):
     accuracy(rng)
     bias = bias_table(rng, args.rows, out / "bias.png")
     training = train_three_ways(args) if args.steps else None
-    repro = reproduction(out / "reproduction_L1.png")
+    repro = reproduction(out / "reproduction_L1.png", out / "confirm_loss.png")
     summary(bias, training, repro)
     print(f"\ndone in {time.time() - t0:.1f} s; figures and metrics under {out}/")
 
@@ -112,7 +114,7 @@ def plot_bias(stats, rows, path):
     plt.close(fig)
 
 
-def reproduction(path):
+def reproduction(path, confirm_loss_path=None):
     """The GPU executions under results/repro, counted and drawn from their raw metrics."""
     from experiments import reproduce
     from experiments.plot_run import plot_executions
@@ -141,7 +143,7 @@ def reproduction(path):
     plot_executions(roots, list(REPRO_ARMS), seeds, path, horizon=4000)
     print(f"   figure: {path}")
     return {"counts": counts, "standard_max": top, "losses": losses, "paper_l6": paper_l6(),
-            "confirm": confirm_l6()}
+            "confirm": confirm_l6(confirm_loss_path)}
 
 
 def paper_l6():
@@ -170,11 +172,13 @@ def paper_l6():
     return out
 
 
-def confirm_l6():
+def confirm_l6(loss_path=None):
     """The pre-registered test under way (results/confirm/l6): per arm, of the executions judged so
     far (their seed's `standard` made, or ended by the divergence stop), how many ran away at its
-    endpoint — an interim count, not the design's test."""
-    from experiments import queue, reproduce
+    endpoint — an interim count, not the design's test — and, of every execution made, how many
+    failed at the loss (drawn into ``loss_path``)."""
+    from experiments import queue, reproduce, search
+    from experiments.plot_run import plot_executions
 
     q = queue.get("confirm")
     if not Path(q.root).is_dir():
@@ -188,7 +192,18 @@ def confirm_l6():
     print("   the pre-registered test of the fixes in that setting (results/confirm, under way; an"
           " interim count, not its test): ran away (≥ 10× standard by step 3,000, or the"
           " divergence stop) " + ", ".join(parts))
-    return counts
+    rows = search.verdict(sorted(d for d in Path(q.root).glob("*-s*")
+                                 if d.is_dir() and d.name.rpartition("-s")[0] in queue.CONFIRM_ARMS))
+    losses = {a: (sum(r["arm"] == a for r in rows),
+                  sum(r["arm"] == a and r["loss_failure"] is not None for r in rows))
+              for a in queue.CONFIRM_ARMS}
+    print("   failed at the loss, of the executions made: "
+          + ", ".join(f"{a} {k} of {n}" for a, (n, k) in losses.items() if n))
+    if loss_path:
+        plot_executions([q.root], list(queue.CONFIRM_ARMS), seeds, loss_path, horizon=3000,
+                        metric="loss", window=search.WINDOW)
+        print(f"   figure: {loss_path}")
+    return {"runaway": counts, "loss": losses}
 
 
 def summary(bias, training, repro):
@@ -225,11 +240,13 @@ def summary(bias, training, repro):
                   f" {pl['standard']['made']} (docs/REPRODUCTION.md says how strongly each claim is"
                   " supported).")
         cf = repro.get("confirm")
-        if cf and "paper-stable" in cf:
-            n, k, _ = cf["paper-stable"]
-            pn, pk, _ = cf.get("paper", (0, 0, 0))
+        if cf and "paper-stable" in cf["runaway"]:
+            n, k, _ = cf["runaway"]["paper-stable"]
+            pn, pk, _ = cf["runaway"].get("paper", (0, 0, 0))
+            (ln, lk), (pln, plk) = cf["loss"]["paper-stable"], cf["loss"]["paper"]
             print(f" * The paper's fix in those numerics, so far: the stable shift ran away in {k} of"
-                  f" {n} executions judged, `paper` without it in {pk} of {pn} (a pre-registered"
+                  f" {n} executions judged, `paper` without it in {pk} of {pn}; {lk} of {ln} with"
+                  f" the shift and {plk} of {pln} without failed at the loss (a pre-registered"
                   " design under way, results/confirm).")
 
 
