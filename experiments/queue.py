@@ -4,6 +4,7 @@
     python -m experiments.queue status NAME               # every execution: made (how it ended) or left
     python -m experiments.queue next NAME [--gpus N] [--seconds 590]   # the next call's command
     python -m experiments.queue collect NAME DIR          # a call's returned runs into the design's folder
+    python -m experiments.queue refresh NAME              # its tables and figures from the raw metrics
 
 A queue is a design's executions in the order the design fixes (arm, seed, steps, the time limit of
 each), its setting (``experiments.search`` settings: VARIANT and OVERRIDES of
@@ -13,7 +14,9 @@ limit share an experiments/gpu/setting_seq.sh command), on N GPUs one lane each 
 experiments/gpu/lanes.sh.
 ``collect`` copies the runs that come back (``repro-<variant>/<run>/`` or the lanes' ``lanes.tgz``)
 into the folder and never overwrites one: an execution cut by its limit that the design has made
-again is moved to ``cut/`` first, so that every execution made stays listed.
+again is moved to ``cut/`` first, so that every execution made stays listed. Then it rewrites the
+design's tables and figures from the raw metrics (``refresh``: the commands its results index
+gives), so that what lands with new executions is counted with them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,24 @@ class Queue:
     setting: str  # experiments.search setting (the runs' VARIANT)
     items: tuple  # (arm, seed, steps, limit_s) in the design's order
     remake_cut: bool  # an execution cut by its limit is made again once (else counted as cut)
+    # the tables and figures made from the runs: (module, argv) with {root} (the runs' folder),
+    # {dir} (its parent) and {runs} (every run folder, by name) filled in
+    products: tuple = ()
+
+
+_CONFIRM_JAX = ["--arms", "paper,paper-stable,fa2,fa2-stable,fa2-dpp,standard",
+                "--seeds", "9,10,11,12,13,14,15,16", "--horizon", "3000"]
+CONFIRM_PRODUCTS = (
+    ("experiments.reproduce", ["executions", "{root}", *_CONFIRM_JAX, "--compare", "paper:paper-stable",
+                               "--compare", "fa2:fa2-stable", "--compare", "fa2:fa2-dpp",
+                               "--md", "{dir}/l6_count.md"]),
+    ("experiments.reproduce", ["executions", "{root}", "--arms", "torch-flash-o,torch-flash-dpp,standard",
+                               "--seeds", "9,10,11,12", "--horizon", "3000",
+                               "--compare", "torch-flash-o:torch-flash-dpp", "--md", "{dir}/l6_twin_count.md"]),
+    ("experiments.search", ["verdict", "{runs}", "--md", "{dir}/l6_loss.md"]),
+    ("experiments.reproduce", ["executions", "{root}", *_CONFIRM_JAX, "--plot", "{dir}/l6_L1.png",
+                               "--plot-loss", "{dir}/l6_loss.png"]),
+)
 
 
 def _confirm_items():
@@ -60,7 +81,7 @@ QUEUES = {
                                 + [("standard", s, 3000, 400) for s in (0, 2, 3, 4, 5, 6, 7, 8)]),
                     remake_cut=False),
     "confirm": Queue(design="results/confirm/design.md", root="results/confirm/l6", setting="l6",
-                     items=_confirm_items(), remake_cut=True),
+                     items=_confirm_items(), remake_cut=True, products=CONFIRM_PRODUCTS),
 }
 
 
@@ -181,6 +202,26 @@ def collect(q: Queue, src: Path, root: Path | None = None) -> list[str]:
     return copied
 
 
+def refresh(q: Queue, root: Path | None = None) -> list[str]:
+    """Run the queue's ``products`` commands on the runs in ``root``: its count tables, loss table
+    and figures, written again from the raw metrics. Returns the files written."""
+    import contextlib
+    import importlib
+    import io
+
+    root = Path(root or q.root)
+    runs = [str(p) for p in sorted(root.glob("*-s*"), key=lambda p: p.name) if p.is_dir()]
+    written = []
+    for module, argv in q.products:
+        args = []
+        for a in argv:
+            args += runs if a == "{runs}" else [a.format(root=root, dir=root.parent)]
+        with contextlib.redirect_stdout(io.StringIO()):  # each prints what it writes: not needed here
+            importlib.import_module(module).main(args)
+        written += [b for a, b in zip(args, args[1:]) if a in ("--md", "--plot", "--plot-loss")]
+    return written
+
+
 def status_markdown(q: Queue, rows: list[dict]) -> str:
     done = sum(not r["pending"] for r in rows)
     lines = [f"{q.design}: {done} of {len(rows)} executions made ({q.root})", "",
@@ -216,6 +257,8 @@ def main(argv=None):
     c = sub.add_parser("collect")
     c.add_argument("name")
     c.add_argument("dir", help="the folder a device call's files came back in")
+    r = sub.add_parser("refresh")
+    r.add_argument("name")
     args = ap.parse_args(argv)
     if args.cmd == "list":
         for name, q in QUEUES.items():
@@ -234,9 +277,14 @@ def main(argv=None):
             return
         print("# " + "; ".join(", ".join(r["run"] for r in lane) for lane in lanes))
         print(command(q, lanes, args.total))
+    elif args.cmd == "refresh":
+        for f in refresh(q):
+            print(f"wrote {f}")
     else:
         for name in collect(q, Path(args.dir)):
             print(f"{q.root}/{name}")
+        for f in refresh(q):
+            print(f"wrote {f}")
 
 
 if __name__ == "__main__":

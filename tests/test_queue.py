@@ -120,3 +120,45 @@ def test_the_shipped_queues_follow_their_designs():
     assert all(a in arms.ARMS or a in arms.TORCH_ARMS for q in (s6, c) for a, *_ in q.items)
     with pytest.raises(KeyError):
         Q.get("stage7")
+
+
+def test_refresh_writes_the_designs_tables_from_its_runs(tmp_path, capsys):
+    """``refresh`` runs the queue's commands on the runs of its folder (not on cut/) and returns the
+    files they wrote; each equals what the command writes when run by hand."""
+    from experiments import search
+
+    root = tmp_path / "l6"
+    for name in ("standard-s0", "paper-s0"):
+        _run(root / name, 3000)
+        (root / name / "config.json").write_text(json.dumps({"optim": {"warmup_steps": 0}}))
+    _run(root / "cut" / "paper-s1", 1000, summary=False)
+    q = Q.Queue(design="d.md", root="unused", setting="l6", remake_cut=True, items=(),
+                products=(("experiments.reproduce", ["executions", "{root}", "--arms", "paper,standard",
+                                                     "--seeds", "0", "--horizon", "3000",
+                                                     "--md", "{dir}/count.md"]),
+                          ("experiments.search", ["verdict", "{runs}", "--md", "{dir}/loss.md"])))
+    assert Q.refresh(q, root) == [f"{tmp_path}/count.md", f"{tmp_path}/loss.md"]
+    search.main(["verdict", str(root / "paper-s0"), str(root / "standard-s0"),
+                 "--md", str(tmp_path / "want.md")])
+    capsys.readouterr()
+    loss = (tmp_path / "loss.md").read_text()
+    assert loss == (tmp_path / "want.md").read_text() and "paper-s1" not in loss
+    assert "| paper |" in (tmp_path / "count.md").read_text()
+
+
+def test_the_confirm_queue_refreshes_what_its_index_lists():
+    """The confirm queue's tables are the files its results index names, made by the commands the
+    index gives for them (the suite checks their contents against the raw metrics)."""
+    from pathlib import Path
+
+    index = Path("results/confirm/INDEX.md").read_text()
+    c = Q.get("confirm")
+    written = []
+    for module, argv in c.products:
+        args = [a.format(root=c.root, dir=str(Path(c.root).parent)) for a in argv if a != "{runs}"]
+        written += [b for a, b in zip(args, args[1:]) if a in ("--md", "--plot", "--plot-loss")]
+        if module == "experiments.reproduce" and "--md" in args:
+            assert f"python -m {module} {' '.join(args)}" in index
+    assert sorted(written) == sorted(f"results/confirm/{f}" for f in (
+        "l6_count.md", "l6_twin_count.md", "l6_loss.md", "l6_L1.png", "l6_loss.png"))
+    assert all(f"`{Path(f).name}`" in index for f in written)
