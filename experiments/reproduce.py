@@ -415,16 +415,15 @@ def executions_cmd(args):
     print(text)
     if args.md:
         Path(args.md).write_text(text + "\n")
-    if args.plot:
-        from experiments.plot_run import plot_executions
-
-        plot_executions(args.roots, arms, seeds, args.plot, horizon=args.horizon)
-    if args.plot_loss:
+    if args.plot or args.plot_loss:
         from experiments.plot_run import plot_executions
         from experiments.search import WINDOW
 
-        plot_executions(args.roots, arms, seeds, args.plot_loss, horizon=args.horizon,
-                        metric="loss", window=WINDOW)
+        if args.plot:
+            plot_executions(args.roots, arms, seeds, args.plot, horizon=args.horizon)
+        if args.plot_loss:
+            plot_executions(args.roots, arms, seeds, args.plot_loss, horizon=args.horizon,
+                            metric="loss", window=WINDOW)
 
 
 def rerun_cmd(args):

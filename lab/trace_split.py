@@ -795,6 +795,14 @@ def trace_variant(fn, args, calls: int, log_dir: str) -> list[dict]:
     return split_calls(load_trace(log_dir))
 
 
+def _emit(text: str, out: str | None) -> None:
+    """Print a table, and write it to ``out`` when given."""
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    print(text, end="")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="4x8192x16x128")
@@ -818,31 +826,16 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=12, help="largest kernels (or gaps) listed")
     a = p.parse_args(argv)
     if a.host:
-        text = host_markdown(host(a.host))
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text)
-        print(text, end="")
-        return
+        return _emit(host_markdown(host(a.host)), a.out)
     if a.gaps:
-        text = gaps_markdown(gaps(a.gaps, a.steps, a.top))
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text)
-        print(text, end="")
-        return
+        return _emit(gaps_markdown(gaps(a.gaps, a.steps, a.top)), a.out)
     if a.families:
         index = None
         if a.hlo:
             raw = open(a.hlo, "rb").read()
             index = HloIndex((gzip.decompress(raw) if a.hlo.endswith(".gz") else raw).decode())
         res = families(load_trace(a.families), index, steps=a.steps, vocab=a.vocab)
-        text = families_markdown(res, top=a.top)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text)
-        print(text, end="")
-        return
+        return _emit(families_markdown(res, top=a.top), a.out)
     if a.smi:
         print(json.dumps(smi_summary(a.smi, a.busy_watts)))
     if a.from_json:
