@@ -120,6 +120,9 @@ class Launch:
     # Q/dO and K/V tiles); None: the kernels' per-shape defaults. Only how far loads run ahead.
     mosaic_fwd_stages: int | None = None
     mosaic_bwd_stages: int | None = None
+    # Mosaic dK/dV kernel: issue V·dOᵀ before Pᵀ is computed and dV before dPᵀ is awaited, so the
+    # tensor cores run under the exps; the same MMAs on the same operands, dK and dV summed in order
+    mosaic_bwd_overlap: bool = False
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -136,6 +139,8 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
+        if type(self.mosaic_bwd_overlap) is not bool:
+            raise ValueError(f"mosaic_bwd_overlap must be a bool, got {self.mosaic_bwd_overlap!r}")
         for name in ("bwd_block", "dq_block"):
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):

@@ -28,7 +28,7 @@ VARIANTS = variants({"": {}, "-k64": {"block_k": 64}, "-k128": {"block_k": 128}}
 
 
 @contextlib.contextmanager
-def _captured_modules():
+def captured_modules():
     """The text of every Mosaic GPU module serialized inside the block (jax ≥ 0.11)."""
     import jax.experimental.mosaic.gpu.core as core
 
@@ -54,7 +54,7 @@ def op_counts(shape=(1, 2048, 2, 128), causal=True, **num_kw) -> collections.Cou
     cfg = numerics(shape, causal, **num_kw)
     sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     f = jax.jit(lambda q, k, v: forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=jnp.bfloat16))
-    with _captured_modules() as seen:
+    with captured_modules() as seen:
         jax.export.export(f, platforms=["cuda"])(sds, sds, sds)
     if not seen:
         raise RuntimeError("no Mosaic GPU module was serialized (jax ≥ 0.11 needed)")

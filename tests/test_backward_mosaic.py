@@ -137,12 +137,13 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch, kernel):
         jf.plan(x, x, x, delta="dpp", launch={"bwd_kernel": kernel})
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("with_dq", [True, False])
-def test_hook_in_backward_runs_them(monkeypatch, with_dq):
+def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
     """backward.py's hook: for ``Launch.bwd_kernel`` "mosaic" / "mosaic_dkdv" dK and dV are the
-    Mosaic kernel's (given q, k, v, dO, L, δ as the Triton kernel gets them, the gradients' dtype),
-    dQ the Mosaic dQ kernel's or (dK/dV only) still the Triton kernel's; for "triton" nothing of it
-    runs."""
+    Mosaic kernel's (given q, k, v, dO, L, δ as the Triton kernel gets them, the gradients' dtype,
+    the launch's ring depth and ``mosaic_bwd_overlap``), dQ the Mosaic dQ kernel's or (dK/dV only)
+    still the Triton kernel's; for "triton" nothing of it runs."""
     shape = (1, 128, 1, 64)
     cfg = make_cfg(128, 64)
     q, k, v, do = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), BF16)
@@ -152,8 +153,9 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     seen = []
 
     def fake(fill):
-        def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages))
+        def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None,
+                   overlap=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, overlap))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
@@ -162,10 +164,13 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     monkeypatch.setattr(bm, "dq_mosaic", fake((3.0,)))
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
-    launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2)
+    launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
+                       mosaic_bwd_overlap=overlap)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    for args, got_cfg, out_dtype, stages in seen:
+    # the dK/dV kernel (called first) takes the flag; the dQ kernel has no such reordering
+    assert [s[-1] for s in seen] == [overlap, None][:len(seen)]
+    for args, got_cfg, out_dtype, stages, _ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
         assert got_cfg == cfg and out_dtype == BF16 and stages == 2
@@ -385,3 +390,4 @@ def test_kernels_lower_for_cuda(kv_heads, window, causal, length):
             (lambda *a: bm.dq_mosaic(*a, cfg, out_dtype=BF16), (q, k, k, q, rows, rows))):
         exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
         assert "cuda" in exported.platforms
+

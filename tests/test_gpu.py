@@ -299,6 +299,19 @@ def test_gpu_mosaic_dkdv_only_keeps_triton_dq():
     chex.assert_trees_all_equal((dq_o, dk_o, dv_o), (dq_t, dk_m, dv_m))
 
 
+@pytest.mark.parametrize("shape", [(2, 2048, 4, 128), (2, 1024, 4, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_mosaic_bwd_overlap_changes_no_bit(shape, causal):
+    """``Launch.mosaic_bwd_overlap`` only moves where the dK/dV kernel issues and awaits its MMAs
+    (each MMA the same operands, dK and dV summed over the query blocks in the same order): O, dQ,
+    dK, dV bitwise those of the plain order."""
+    q, k, v, do = (randn(50 + s, shape) for s in range(4))
+    f = lambda overlap: run(q, k, v, do, impl="pallas", causal=causal,
+                            launch={"bwd_kernel": "mosaic", "mosaic_bwd_overlap": overlap})
+    chex.assert_trees_all_equal(f(True), f(False))
+
+
 def test_gpu_explicit_mosaic_launch_that_cannot_run_raises():
     """Asked for explicitly, a Mosaic kernel that does not cover the call (T padded to 1088 rows,
     not a multiple of 128) raises; chosen by the table, the call runs the Triton kernel (``plan``

@@ -48,7 +48,8 @@ def test_launch_fields_and_validation():
     assert jf.Launch().to_dict() == {}
     full = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic_dkdv", fwd=(4, 3), bwd=(8, 2),
                      dq=(4, 2), split_diagonal=True, bwd_block=128, dq_block=64, prefetch_rows=True,
-                     prefetch_scores=True, mosaic_fwd_stages=3, mosaic_bwd_stages=4)
+                     prefetch_scores=True, mosaic_fwd_stages=3, mosaic_bwd_stages=4,
+                     mosaic_bwd_overlap=True)
     assert jf.Launch.from_dict(full.to_dict()) == full
     assert jf.Launch.from_dict({"fwd": {"num_warps": 4, "num_stages": 3}}).fwd == (4, 3)
     assert jf.Launch.from_dict({"bwd": [8, 2]}).bwd == (8, 2)
@@ -57,7 +58,9 @@ def test_launch_fields_and_validation():
                      ({"bwd_block": 48}, "power of two"), ({"dq_block": 8}, "power of two"),
                      ({"mosaic_fwd_stages": 0}, "mosaic_fwd_stages"),
                      ({"mosaic_bwd_stages": 9}, "mosaic_bwd_stages"),
-                     ({"mosaic_bwd_stages": 2.0}, "mosaic_bwd_stages")):
+                     ({"mosaic_bwd_stages": 2.0}, "mosaic_bwd_stages"),
+                     ({"mosaic_bwd_overlap": 1}, "mosaic_bwd_overlap"),
+                     ({"mosaic_bwd_overlap": "yes"}, "mosaic_bwd_overlap")):
         with pytest.raises(ValueError, match=msg):
             jf.Launch.from_dict(bad)
 

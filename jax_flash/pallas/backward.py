@@ -251,7 +251,8 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
         )(*operands, dqkv)
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
-                                             stages=launch.mosaic_bwd_stages)
+                                             stages=launch.mosaic_bwd_stages,
+                                             overlap=launch.mosaic_bwd_overlap)
     else:
         dk, dv = pl.pallas_call(
             dkdv_kernel,

@@ -100,7 +100,7 @@ def ds_tile(p_t, dp_t, delta_b):
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Numerics,
-            nq: int, stages: int, interpret: bool):
+            nq: int, stages: int, interpret: bool, overlap: bool = False):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -152,6 +152,35 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             wait_ready(slot)
             plgpu.barrier_arrive(free.at[slot])
 
+        def overlapped(slot, q_tile, do_tile, s_t, mask_t, dk, dv):
+            """``step``'s MMAs and tile arithmetic after Sᵀ, reordered so the tensor cores work
+            under the elementwise math (``Launch.mosaic_bwd_overlap``): dPᵀ = V·dOᵀ is issued before
+            Pᵀ is computed, dV += Pᵀ·dO before dPᵀ is awaited, dK += dSᵀ·Q while dV may still run;
+            one wait for all at the end. Each MMA has the operands and accumulator of the plain
+            order, and dV, dK are each accumulated over the query blocks in the same order."""
+            from jax.experimental import pallas as pl
+
+            pol = cfg.policy
+            plgpu.barrier_wait(do_ready.at[slot])  # dPᵀ reads dO: before it is issued
+
+            def body(refs):
+                dp_ref, dv_ref, dk_ref = refs
+                plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+                plgpu.barrier_wait(lse_ready.at[slot])
+                p_t = p_tile(s_t, row_vector(lse_smem.at[slot]), mask_t, cfg)
+                plgpu.wgmma(dv_ref, cast_rounded(p_t, pol.p_dtype), do_tile)
+                # groups retire in issue order: with one (dV) left in flight, dPᵀ is complete
+                dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+                plgpu.barrier_wait(dlt_ready.at[slot])
+                ds_t = ds_tile(p_t, dp_t, row_vector(dlt_smem.at[slot]))
+                plgpu.wgmma(dk_ref, cast_rounded(ds_t, pol.p_dtype), q_tile)
+
+            zeros = wgmma_layout(jnp.zeros((bk, bq), jnp.float32))
+            # run_state waits for every MMA it issued (wait_group 0) before handing dV, dK back
+            _, dv, dk = pl.run_state(body)(
+                (plgpu.ACC.init(zeros), plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+            return dk, dv
+
         def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: the ring's step
             dk, dv = carry
             slot = lax.rem(base + b - p_lo, stages)
@@ -163,6 +192,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 return acc_ref[...]
 
             s_t = pl.run_scoped(sk, plgpu.ACC((bk, bq), jnp.float32))
+            if overlap and not interpret:  # the interpreter runs the plain order below
+                mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
+                          if masked else None)
+                dk, dv = overlapped(slot, q_tile, do_tile, s_t, mask_t, dk, dv)
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
             plgpu.barrier_wait(lse_ready.at[slot])
             lse_b = row_vector(lse_smem.at[slot])
             mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
@@ -307,12 +342,16 @@ def dq_scratch(d, dtype, stages):
     )
 
 
-def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None):
+def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
+                overlap=False):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
     query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
     ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11; tests only). ``stages``: the depth
-    of the Q/dO ring (``Launch.mosaic_bwd_stages``; None: ``STAGES``), which changes no value."""
+    of the Q/dO ring (``Launch.mosaic_bwd_stages``; None: ``STAGES``), which changes no value.
+    ``overlap``: ``Launch.mosaic_bwd_overlap``, the MMAs issued ahead of the elementwise work
+    (``_kernel``'s ``overlapped``), which changes no value either; interpreted, it is ignored: the
+    interpreter has no register operand of wgmma nor ``run_state`` to keep an MMA in flight."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
@@ -323,7 +362,8 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     scratch = dkdv_scratch(d, q.dtype, stages)
     if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
-    body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages, interpret=interpret is not None)
+    body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages,
+                             interpret=interpret is not None, overlap=bool(overlap))
 
     def entry(*refs):
         from jax.experimental import pallas as pl

@@ -1,7 +1,11 @@
-"""``lab.mosaic_ops`` catches the Mosaic GPU forward's per-thread module on a CPU (jax ≥ 0.11): the
-stable shift's tie count is per-entry work, visible in the op counts."""
+"""``lab.mosaic_ops`` catches the Mosaic GPU kernels' per-thread modules on a CPU (jax ≥ 0.11): the
+stable shift's tie count is per-entry work, visible in the op counts; the dK/dV kernel's
+``mosaic_bwd_overlap`` launch moves only where its MMAs are awaited."""
+
+import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 pytestmark = pytest.mark.skipif(jax.__version_info__ < (0, 11),
@@ -27,3 +31,32 @@ def test_tie_count_grows_with_the_key_tile():
     for op in ("arith.cmpf", "arith.select", "arith.addf"):
         assert extra["k64"][op] > BODIES * PER_ENTRY_OPS_PER_64_KEYS, op
         assert extra["k128"][op] - extra["k64"][op] == BODIES * PER_ENTRY_OPS_PER_64_KEYS, op
+
+
+def _dkdv_module(d, overlap, t=256):
+    """The causal dK/dV kernel's module at [1, t, 2, d], without its per-process dump name."""
+    from jax_flash.pallas import backward_mosaic as bm
+    from lab import mosaic_ops
+
+    cfg = mosaic_ops.numerics((1, t, 2, d), True)
+    q = jax.ShapeDtypeStruct((1, t, 2, d), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1, 2, t), jnp.float32)
+    f = jax.jit(lambda *a: bm.dkdv_mosaic(*a, cfg, out_dtype=jnp.bfloat16, overlap=overlap))
+    with mosaic_ops.captured_modules() as seen:
+        jax.export.export(f, platforms=["cuda"])(q, q, q, q, rows, rows)
+    assert seen, "no Mosaic GPU module was serialized"
+    return re.sub(r'dump_basename = "[^"]*"', "", seen[-1])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_overlap_only_moves_waits(d):
+    """``Launch.mosaic_bwd_overlap`` lowers for CUDA and differs from the plain dK/dV kernel only in
+    when MMAs are awaited: the same wgmma instructions and commit groups, dPᵀ read with dV still in
+    flight (``wait_group 1``, once per loop body) and one full wait fewer per body."""
+    plain, ours = _dkdv_module(d, False), _dkdv_module(d, True)
+    assert plain != ours
+    for instr in ("wgmma.mma_async", "wgmma.commit_group"):
+        assert ours.count(instr) == plain.count(instr) > 0, instr
+    wait = "wgmma.wait_group.sync.aligned "
+    assert plain.count(wait + "1;") == 0 and ours.count(wait + "1;") == BODIES
+    assert ours.count(wait + "0;") == plain.count(wait + "0;") - BODIES
