@@ -286,13 +286,14 @@ def plot_losses(metrics, path, control="fp32-control"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from experiments.plot_run import running_mean
+
     fig, (ax, dx) = plt.subplots(1, 2, figsize=(11, 4))
     ref = {r["step"]: r["loss"] for r in metrics[control]}
     for name, recs in metrics.items():
         steps = np.array([r["step"] for r in recs])
         loss = np.array([r["loss"] for r in recs])
-        smooth = np.convolve(loss, np.ones(10) / 10, mode="valid")
-        (line,) = ax.plot(steps[len(steps) - len(smooth):], smooth, label=f"{name} (train, 10-step mean)")
+        (line,) = ax.plot(*running_mean(steps, loss, 10), label=f"{name} (train, 10-step mean)")
         val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
         if val:
             ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{name} (val)")

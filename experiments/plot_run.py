@@ -126,6 +126,14 @@ def top_heads(recs, tag, n):
     return sorted(sorted(heads, key=lambda h: -last[f"wq_norm/{tag}/H{h}"])[:n])
 
 
+def running_mean(s, v, window: int):
+    """(steps, mean of the last ``window`` values) from the ``window``-th value on."""
+    if len(v) < window:
+        return s[:0], v[:0]
+    c = np.cumsum(np.concatenate([[0.0], v]))
+    return s[window - 1:], (c[window:] - c[:-window]) / window
+
+
 def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None, n_heads=None) -> Path:
     runs = [read_run(d) for d in run_dirs]
     labels = list(labels) if labels else [run_label(cfg, d) for (_, cfg), d in zip(runs, run_dirs)]
@@ -142,8 +150,7 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None, n_heads
         ls, col = STYLES[i % len(STYLES)], run_colors[i % len(run_colors)]
         s, v = series(recs, "loss")
         if len(v) > 2 * SMOOTH:  # per-step losses are noisy: a running mean keeps runs apart
-            v = np.convolve(v, np.ones(SMOOTH) / SMOOTH, mode="valid")
-            s = s[SMOOTH - 1:]
+            s, v = running_mean(s, v, SMOOTH)
         ax_loss.plot(s, v, ls, color=col, lw=1, label=lab)
         s, v = series(recs, "val_loss")
         if len(s):
@@ -199,14 +206,6 @@ def plot_runs(run_dirs, out, *, layer: int = 1, labels=None, title=None, n_heads
     if title:
         fig.suptitle(title)
     return save_figure(fig, out)
-
-
-def running_mean(s, v, window: int):
-    """(steps, mean of the last ``window`` values) from the ``window``-th value on."""
-    if len(v) < window:
-        return s[:0], v[:0]
-    c = np.cumsum(np.concatenate([[0.0], v]))
-    return s[window - 1:], (c[window:] - c[:-window]) / window
 
 
 def plot_executions(roots, arms, seeds, out, *, layer: int = 1, horizon=None,
