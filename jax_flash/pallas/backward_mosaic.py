@@ -158,8 +158,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             Pᵀ is computed, dV += Pᵀ·dO before dPᵀ is awaited, dK += dSᵀ·Q while dV may still run;
             one wait for all at the end. Each MMA has the operands and accumulator of the plain
             order, and dV, dK are each accumulated over the query blocks in the same order."""
-            from jax.experimental import pallas as pl
-
             pol = cfg.policy
             plgpu.barrier_wait(do_ready.at[slot])  # dPᵀ reads dO: before it is issued
 
