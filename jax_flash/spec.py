@@ -102,6 +102,27 @@ FWD_KERNELS = ("triton", "mosaic")
 BWD_KERNELS = ("triton", "mosaic", "mosaic_dkdv")  # "mosaic_dkdv": Mosaic dK/dV, Triton dQ
 
 
+# A Mosaic kernel of two compute warpgroups and one producer (384 threads) starts with the register
+# file's even share, 65,536 / 384 rounded down to 8: 168 a thread. setmaxnreg moves registers between
+# warpgroups in steps of 8 within 24 … 256, and the three together cannot ask for more than they hold.
+MOSAIC_THREAD_REGS = 168
+
+
+def check_mosaic_regs(regs, name: str) -> None:
+    """Raise unless ``regs`` is a (compute, producer) register split the 384-thread Mosaic kernels
+    can take: multiples of 8 in 24 … 256, producer ≤ 168 ≤ compute, 2·compute + producer ≤ 3·168."""
+    ok = (isinstance(regs, tuple) and len(regs) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) for x in regs))
+    if ok:
+        comp, prod = regs
+        ok = (all(24 <= x <= 256 and x % 8 == 0 for x in regs)
+              and prod <= MOSAIC_THREAD_REGS <= comp and 2 * comp + prod <= 3 * MOSAIC_THREAD_REGS)
+    if not ok:
+        raise ValueError(f"{name} must be (compute, producer) registers a thread, multiples of 8 in "
+                         f"24 … 256 with producer ≤ {MOSAIC_THREAD_REGS} ≤ compute and "
+                         f"2·compute + producer ≤ {3 * MOSAIC_THREAD_REGS}, got {regs!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How the Pallas kernels run on a GPU. None of it changes a rounded value (module docstring)."""
@@ -123,6 +144,9 @@ class Launch:
     # Mosaic dK/dV kernel: issue V·dOᵀ before Pᵀ is computed and dV before dPᵀ is awaited, so the
     # tensor cores run under the exps; the same MMAs on the same operands, dK and dV summed in order
     mosaic_bwd_overlap: bool = False
+    # Mosaic backward kernels: registers a thread of each compute / producer warpgroup asks for
+    # (setmaxnreg); None: (232, 40). Only where values live, so only whether the compiler spills.
+    mosaic_bwd_regs: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -141,6 +165,8 @@ class Launch:
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
         if type(self.mosaic_bwd_overlap) is not bool:
             raise ValueError(f"mosaic_bwd_overlap must be a bool, got {self.mosaic_bwd_overlap!r}")
+        if self.mosaic_bwd_regs is not None:
+            check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
         for name in ("bwd_block", "dq_block"):
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):
@@ -156,7 +182,7 @@ class Launch:
             raise ValueError(f"not launch fields: {unknown} (a launch may set only {sorted(names)};"
                              " tile sizes and numerics flags are arguments of the call)")
         kw = dict(entry)
-        for name in ("fwd", "bwd", "dq"):
+        for name in ("fwd", "bwd", "dq", "mosaic_bwd_regs"):
             val = kw.get(name)
             if isinstance(val, dict):
                 kw[name] = (val["num_warps"], val["num_stages"])

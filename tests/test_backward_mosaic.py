@@ -142,7 +142,7 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch, kernel):
 def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
     """backward.py's hook: for ``Launch.bwd_kernel`` "mosaic" / "mosaic_dkdv" dK and dV are the
     Mosaic kernel's (given q, k, v, dO, L, δ as the Triton kernel gets them, the gradients' dtype,
-    the launch's ring depth and ``mosaic_bwd_overlap``), dQ the Mosaic dQ kernel's or (dK/dV only)
+    the launch's ring depth, register split and ``mosaic_bwd_overlap``), dQ the Mosaic dQ kernel's or (dK/dV only)
     still the Triton kernel's; for "triton" nothing of it runs."""
     shape = (1, 128, 1, 64)
     cfg = make_cfg(128, 64)
@@ -154,8 +154,8 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
 
     def fake(fill):
         def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None,
-                   overlap=None):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, overlap))
+                   regs=None, overlap=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, overlap))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
@@ -165,15 +165,15 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
     launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
-                       mosaic_bwd_overlap=overlap)
+                       mosaic_bwd_overlap=overlap, mosaic_bwd_regs=(240, 24))
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
     # the dK/dV kernel (called first) takes the flag; the dQ kernel has no such reordering
     assert [s[-1] for s in seen] == [overlap, None][:len(seen)]
-    for args, got_cfg, out_dtype, stages, _ in seen:
+    for args, got_cfg, out_dtype, stages, regs, _ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
-        assert got_cfg == cfg and out_dtype == BF16 and stages == 2
+        assert got_cfg == cfg and out_dtype == BF16 and stages == 2 and regs == (240, 24)
     assert np.all(np.asarray(dk, np.float32) == 1) and np.all(np.asarray(dv, np.float32) == 2)
     if with_dq:
         assert np.all(np.asarray(dq, np.float32) == 3)

@@ -312,6 +312,19 @@ def test_gpu_mosaic_bwd_overlap_changes_no_bit(shape, causal):
     chex.assert_trees_all_equal(f(True), f(False))
 
 
+@pytest.mark.parametrize("shape", [(2, 2048, 4, 128), (2, 1024, 4, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_gpu_mosaic_bwd_regs_change_no_bit(shape, overlap):
+    """``Launch.mosaic_bwd_regs`` (240 registers a compute thread, 24 a producer's, against 232 and
+    40) changes only where the compiler keeps values: O, dQ, dK, dV bitwise the default split's."""
+    q, k, v, do = (randn(60 + s, shape) for s in range(4))
+    f = lambda regs: run(q, k, v, do, impl="pallas", causal=True,
+                         launch={"bwd_kernel": "mosaic", "mosaic_bwd_overlap": overlap,
+                                 "mosaic_bwd_regs": regs})
+    chex.assert_trees_all_equal(f((240, 24)), f(None))
+
+
 def test_gpu_explicit_mosaic_launch_that_cannot_run_raises():
     """Asked for explicitly, a Mosaic kernel that does not cover the call (T padded to 1088 rows,
     not a multiple of 128) raises; chosen by the table, the call runs the Triton kernel (``plan``

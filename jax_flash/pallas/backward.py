@@ -252,7 +252,8 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                              stages=launch.mosaic_bwd_stages,
-                                             overlap=launch.mosaic_bwd_overlap)
+                                             overlap=launch.mosaic_bwd_overlap,
+                                             regs=launch.mosaic_bwd_regs)
     else:
         dk, dv = pl.pallas_call(
             dkdv_kernel,
@@ -267,7 +268,8 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
         )(*operands)
     if launch.bwd_kernel == "mosaic":
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
-                                       stages=launch.mosaic_bwd_stages)
+                                       stages=launch.mosaic_bwd_stages,
+                                       regs=launch.mosaic_bwd_regs)
     else:
         dq = pl.pallas_call(
             dq_kernel,

@@ -33,7 +33,7 @@ from jax import lax
 
 from .. import tile
 from ..rounding import cast_rounded, native_casts
-from ..spec import Numerics
+from ..spec import Numerics, check_mosaic_regs
 from . import mosaic_common
 from .mosaic_common import Stream, produce_kv, stream_ring, unsupported_masks
 from .mosaic_common import exp2_backend as _exp2
@@ -100,7 +100,8 @@ def ds_tile(p_t, dp_t, delta_b):
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Numerics,
-            nq: int, stages: int, interpret: bool, overlap: bool = False):
+            nq: int, stages: int, interpret: bool, overlap: bool = False,
+            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -130,7 +131,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        plgpu.set_max_registers(regs[0], action="increase")
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         keys = key0 + wg * bk
         kv = (batch, pl.ds(keys, bk), head)
@@ -272,7 +273,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
 
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
-        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+        plgpu.set_max_registers(regs[1], action="decrease")
 
         if g == 1:
             rows = lambda s: pl.ds((p_lo + s) * bq, bq)
@@ -286,6 +287,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                      Stream(lambda s: do_ref.at[batch, rows(s), qh(s)], do_smem, do_ready, None),
                      Stream(lambda s: dlt_ref.at[batch, qh(s), rows(s)], dlt_smem, dlt_ready, None)],
                     stages, g * n_steps)
+
+
+def _regs(regs) -> tuple[int, int]:
+    if regs is None:
+        return COMPUTE_REGS, PRODUCER_REGS
+    regs = tuple(regs)
+    check_mosaic_regs(regs, "regs")
+    return regs
 
 
 def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
@@ -341,7 +350,7 @@ def dq_scratch(d, dtype, stages):
 
 
 def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-                overlap=False):
+                overlap=False, regs=None):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
     query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
@@ -349,7 +358,9 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     of the Q/dO ring (``Launch.mosaic_bwd_stages``; None: ``STAGES``), which changes no value.
     ``overlap``: ``Launch.mosaic_bwd_overlap``, the MMAs issued ahead of the elementwise work
     (``_kernel``'s ``overlapped``), which changes no value either; interpreted, it is ignored: the
-    interpreter has no register operand of wgmma nor ``run_state`` to keep an MMA in flight."""
+    interpreter has no register operand of wgmma nor ``run_state`` to keep an MMA in flight.
+    ``regs``: ``Launch.mosaic_bwd_regs``, the (compute, producer) registers a thread (None:
+    ``COMPUTE_REGS``, ``PRODUCER_REGS``), which changes where values live, not what they are."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
@@ -361,7 +372,8 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
     body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages,
-                             interpret=interpret is not None, overlap=bool(overlap))
+                             interpret=interpret is not None, overlap=bool(overlap),
+                             regs=_regs(regs))
 
     def entry(*refs):
         from jax.experimental import pallas as pl
@@ -394,7 +406,8 @@ def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
-               nk: int, stages: int, interpret: bool):
+               nk: int, stages: int, interpret: bool,
+               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -417,7 +430,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        plgpu.set_max_registers(regs[0], action="increase")
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         rows = row0 + wg * rq
         # tiles [lo, hi) hold what the rows see, [full_lo, full_hi) need no mask
@@ -496,10 +509,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
         produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
+                   (v_smem, v_ready, v_free), stages, program_steps, regs[1], first=p_lo)
 
 
-def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None):
+def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
+              regs=None):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
     128 query rows per program (two compute warpgroups of 64), key tiles of 64 streamed by TMA, in
     increasing order up to the causal diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the
@@ -516,7 +530,7 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     if interpret is not None:  # dS staged for the interpreter's wgmma
         scratch += (plgpu.SMEM((*rows, DQ_KEY_TILE), q.dtype, transforms=layout),)
     body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None)
+                             interpret=interpret is not None, regs=_regs(regs))
 
     def entry(*refs):
         from jax.experimental import pallas as pl

@@ -33,15 +33,18 @@ def test_tie_count_grows_with_the_key_tile():
         assert extra["k128"][op] - extra["k64"][op] == BODIES * PER_ENTRY_OPS_PER_64_KEYS, op
 
 
-def _dkdv_module(d, overlap, t=256):
-    """The causal dK/dV kernel's module at [1, t, 2, d], without its per-process dump name."""
+def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv"):
+    """The causal dK/dV (or dQ) kernel's module at [1, t, 2, d], without its per-process dump
+    name."""
     from jax_flash.pallas import backward_mosaic as bm
     from lab import mosaic_ops
 
     cfg = mosaic_ops.numerics((1, t, 2, d), True)
     q = jax.ShapeDtypeStruct((1, t, 2, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((1, 2, t), jnp.float32)
-    f = jax.jit(lambda *a: bm.dkdv_mosaic(*a, cfg, out_dtype=jnp.bfloat16, overlap=overlap))
+    kw = {"regs": regs} | ({"overlap": overlap} if kernel == "dkdv" else {})
+    fn = bm.dkdv_mosaic if kernel == "dkdv" else bm.dq_mosaic
+    f = jax.jit(lambda *a: fn(*a, cfg, out_dtype=jnp.bfloat16, **kw))
     with mosaic_ops.captured_modules() as seen:
         jax.export.export(f, platforms=["cuda"])(q, q, q, q, rows, rows)
     assert seen, "no Mosaic GPU module was serialized"
@@ -53,10 +56,25 @@ def test_bwd_overlap_only_moves_waits(d):
     """``Launch.mosaic_bwd_overlap`` lowers for CUDA and differs from the plain dK/dV kernel only in
     when MMAs are awaited: the same wgmma instructions and commit groups, dPᵀ read with dV still in
     flight (``wait_group 1``, once per loop body) and one full wait fewer per body."""
-    plain, ours = _dkdv_module(d, False), _dkdv_module(d, True)
+    plain, ours = _bwd_module(d, False), _bwd_module(d, True)
     assert plain != ours
     for instr in ("wgmma.mma_async", "wgmma.commit_group"):
         assert ours.count(instr) == plain.count(instr) > 0, instr
     wait = "wgmma.wait_group.sync.aligned "
     assert plain.count(wait + "1;") == 0 and ours.count(wait + "1;") == BODIES
     assert ours.count(wait + "0;") == plain.count(wait + "0;") - BODIES
+
+
+SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+);")
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_bwd_regs_change_only_the_register_requests(kernel):
+    """``Launch.mosaic_bwd_regs`` lowers for CUDA and changes only the immediates of the compute
+    warpgroups' ``setmaxnreg.inc`` and the producer's ``setmaxnreg.dec``: every other line of the
+    module is the default kernel's."""
+    plain, ours = (_bwd_module(128, kernel=kernel, regs=r) for r in (None, (240, 24)))
+    assert SETMAXNREG.findall(plain) == [("inc", "232"), ("dec", "40")]
+    assert SETMAXNREG.findall(ours) == [("inc", "240"), ("dec", "24")]
+    strip = lambda m: SETMAXNREG.sub(r"setmaxnreg.\1.sync.aligned.u32 N;", m)
+    assert strip(plain) == strip(ours)
