@@ -7,7 +7,7 @@ step's shapes, variants interleaved in one process.
 
 A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
 - ``ln-bwd``: ``models.layernorm``'s fused residual-addition backward, ``[tokens, 768]`` (keys:
-  ``sub``, rows a step of its loop; ``warps``);
+  ``sub``, rows a step of its loop; ``warps``; ``stages``, Triton's pipeline depth);
 - ``ce-fwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, and the statistics and
   gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
   ``rows``, ``chunk``, ``warps``, ``stages``);
@@ -80,7 +80,8 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
                 s, r, w, 1e-5, jnp.dtype(jnp.bfloat16))
             sub = kw.get("sub", layernorm.BWD_SUB_ROWS)
             f = jax.jit(functools.partial(layernorm._add_backward, r_dtype=jnp.bfloat16, sub=sub,
-                                          warps=kw.get("warps", layernorm.BWD_NUM_WARPS)))
+                                          warps=kw.get("warps", layernorm.BWD_NUM_WARPS),
+                                          stages=kw.get("stages", layernorm.BWD_NUM_STAGES)))
             return f, (s, w, mean, rstd, dy, gs), moved
 
         def xla(x, r, w, dy, gs):

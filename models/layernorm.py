@@ -34,6 +34,7 @@ BLOCK_ROWS = 16  # rows per program
 BWD_SUB_ROWS = 4  # the backward's rows per step (faster than 2, 8 or two loops: lab.row_kernels)
 NUM_WARPS = 4
 BWD_NUM_WARPS = 2  # the backward's (faster than 4 or 8 there); the warps set its sums' order
+BWD_NUM_STAGES = 1  # how far Triton's pipeliner loads the backward's rows ahead: no value changes
 
 
 def triton_params(num_warps: int = NUM_WARPS, num_stages: int = 1):
@@ -174,12 +175,13 @@ def _forward(x2, w, eps, out_dtype):
                  "model_layernorm_fwd", x2, w)
 
 
-def _backward(x2, w, mean, rstd, dy2, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS):
+def _backward(x2, w, mean, rstd, dy2, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS,
+              stages=BWD_NUM_STAGES):
     n, d = x2.shape
     kernel = functools.partial(_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
     dx, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row"),
                          (("row", x2.dtype), ("part", F32)), "model_layernorm_bwd",
-                         x2, w, mean, rstd, dy2, num_warps=warps)
+                         x2, w, mean, rstd, dy2, num_warps=warps, num_stages=stages)
     return dx, jnp.sum(dw_parts, axis=0)
 
 
@@ -191,13 +193,14 @@ def _add_forward(x2, r2, w, eps, out_dtype):
                  "model_add_layernorm_fwd", x2, r2, w)
 
 
-def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS):
+def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS,
+                  stages=BWD_NUM_STAGES):
     n, d = s2.shape
     kernel = functools.partial(_add_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
     ds, dr, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row", "row"),
                              (("row", s2.dtype), ("row", r_dtype), ("part", F32)),
                              "model_add_layernorm_bwd", s2, w, mean, rstd, dy2, gs2,
-                             num_warps=warps)
+                             num_warps=warps, num_stages=stages)
     return ds, dr, jnp.sum(dw_parts, axis=0)
 
 

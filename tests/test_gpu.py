@@ -417,6 +417,26 @@ def test_gpu_gelu_recomputations_change_no_bit(option):
     chex.assert_trees_all_equal(got, want)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpu_layernorm_backward_stages_change_no_bit(stages):
+    """The fused LayerNorm backward's pipeline depth (``models.layernorm.BWD_NUM_STAGES``) only
+    moves when rows are loaded: ds, dr and d(scale) bitwise those of one stage, at GPT-2's width."""
+    from models import layernorm
+
+    rng = np.random.default_rng(5)
+    n, d = 4096, 768
+    s = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    w = jnp.asarray(1.0 + 0.1 * rng.standard_normal(d), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    gs = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    _, _, mean, rstd = jax.jit(layernorm._add_forward, static_argnums=(3, 4))(
+        s, r, w, 1e-5, jnp.dtype(jnp.bfloat16))
+    bwd = lambda st: jax.jit(lambda *a: layernorm._add_backward(
+        *a, r_dtype=jnp.bfloat16, stages=st))(s, w, mean, rstd, dy, gs)
+    chex.assert_trees_all_equal(bwd(stages), bwd(1))
+
+
 def test_gpu_add_layer_norm_is_the_pair():
     """The fused residual addition and LayerNorm compiled for the GPU (Triton): as the CPU test,
     ``helpers.assert_add_layer_norm_is_the_pair``."""

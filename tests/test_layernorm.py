@@ -139,3 +139,32 @@ def test_lowers_to_triton_for_cuda(monkeypatch):
     g = jax.jit(jax.grad(fused_loss, argnums=(0, 1, 2)))
     jax.export.export(g, platforms=["cuda"], disabled_checks=checks)(x, r, w)
     assert len(seen) == 4 and all("tt.func" in m for m in seen)
+
+
+def test_backward_stages_reach_the_triton_call_and_nothing_else(monkeypatch):
+    """The fused backward's ``stages`` (a launch setting: how far Triton's pipeliner loads ahead)
+    reaches the Triton call's parameters, and the lowered kernel is otherwise the same."""
+    import functools
+    import re
+
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    class Sm90:
+        compute_capability = "9.0"
+
+    monkeypatch.setattr(layernorm, "_interpret", lambda: False)
+    if hasattr(reg, "gpu_info_lib"):
+        monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", Sm90)
+    rows = jax.ShapeDtypeStruct((4096, 768), jnp.float32)
+    vec = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    args = (rows, jax.ShapeDtypeStruct((768,), jnp.float32), vec, vec,
+            jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16), rows)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    stages = re.compile(r"num_stages = (\d+) : i32")
+    texts = {}
+    for st in (1, 3):
+        f = jax.jit(functools.partial(layernorm._add_backward, r_dtype=jnp.bfloat16, stages=st))
+        texts[st] = jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(
+            *args).mlir_module()
+        assert stages.findall(texts[st]) == [str(st)]
+    assert stages.sub("", texts[1]) == stages.sub("", texts[3])
