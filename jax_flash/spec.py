@@ -188,7 +188,9 @@ class Launch:
             raise ValueError(f"not launch fields: {unknown} (a launch may set only {sorted(names)};"
                              " tile sizes and numerics flags are arguments of the call)")
         kw = dict(entry)
-        for name in ("fwd", "bwd", "dq", "mosaic_bwd_regs"):
+        if isinstance(kw.get("mosaic_bwd_regs"), list):  # JSON has no tuples
+            kw["mosaic_bwd_regs"] = tuple(kw["mosaic_bwd_regs"])
+        for name in ("fwd", "bwd", "dq"):
             val = kw.get(name)
             if isinstance(val, dict):
                 kw[name] = (val["num_warps"], val["num_stages"])

@@ -71,6 +71,7 @@ def test_launch_fields_and_validation():
                      ({"mosaic_bwd_regs": (168, 176)}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_regs": (240,)}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_regs": (240.0, 24)}, "mosaic_bwd_regs"),
+                     ({"mosaic_bwd_regs": {"compute": 240}}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_q_tile": 48}, "mosaic_bwd_q_tile"),
                      ({"mosaic_bwd_q_tile": 32.0}, "mosaic_bwd_q_tile"),
                      ({"mosaic_bwd_q_tile": 128}, "mosaic_bwd_q_tile")):
