@@ -560,3 +560,47 @@ def jaxpr_eqns(jaxpr):
         yield e
         for sub in jaxprs_in_params(e.params):
             yield from jaxpr_eqns(sub)
+
+
+def assert_cast_weights_change_no_bit(packed: bool, extra=()):
+    """``optim.cast_weights`` on the micro model: three steps of two accumulated micro-batches
+    each give the same params, optimizer state and metrics as the steps that cast inside the
+    forward, bit for bit (``packed``: Q, K and V as one product, whose three weights are
+    concatenated after the cast); the casts are the params' and the step computes with them."""
+    import functools
+
+    from train import gpt2 as T
+
+    x = np.random.default_rng(4).integers(0, 512, (3, 2, 4, 33))
+    batch = lambda i: (jnp.asarray(x[i, ..., :-1], jnp.int32),
+                       jnp.asarray(x[i, ..., 1:], jnp.int32))
+
+    def setup(cfg):
+        graphdef, params = T.split_model(T.make_model(cfg))
+        tx, schedule = T.make_optimizer(cfg)
+        step = jax.jit(functools.partial(T.train_step, graphdef=graphdef, tx=tx,
+                                         schedule=schedule), donate_argnums=0)
+        return T.init_state(cfg, params, tx), step
+
+    runs = []
+    for cast in (False, True):
+        cfg = micro_cfg("/unused", "data.grad_accum=2", f"optim.cast_weights={cast}",
+                        f"model.packed_qkv={packed}", *extra)
+        state, step = setup(cfg)
+        assert ("casts" in state) == cast
+        metrics = []
+        for i in range(3):
+            state, m = step(state, batch(i))
+            metrics.append(m)
+        runs.append((state, metrics))
+    (plain, m_plain), (cast, m_cast) = runs
+    assert len(cast["casts"]) == 2 * 6 and all(k.endswith("['kernel']") for k in cast["casts"])
+    assert all(c.dtype == jnp.bfloat16 for c in cast["casts"].values())
+    chex.assert_trees_all_equal(T.persistent(cast), plain)
+    chex.assert_trees_all_equal(m_cast, m_plain)
+    chex.assert_trees_all_equal(cast["casts"], T.weight_casts(cast["params"], jnp.bfloat16))
+    # the step computes with the casts, not the params: zeroed casts change its loss
+    _, step = setup(cfg)  # the step donates its state: each call steps a copy
+    zeroed = {**jax.tree.map(jnp.copy, cast), "casts": jax.tree.map(jnp.zeros_like, cast["casts"])}
+    loss = lambda s: float(step(s, batch(0))[1]["loss"])
+    assert loss(zeroed) != loss(jax.tree.map(jnp.copy, cast))

@@ -24,7 +24,7 @@ from train import config as C
 from train import gpt2 as T
 from train.checkpoint import CheckpointError, CheckpointStore
 
-from helpers import MICRO, Tokens, micro_cfg
+from helpers import MICRO, Tokens, assert_cast_weights_change_no_bit, micro_cfg
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -348,36 +348,9 @@ def test_muon_partition_and_step():
 @pytest.mark.parametrize("packed", [False, True])
 def test_cast_weights_change_no_bit(packed):
     """``optim.cast_weights``: the update writes the matmul weights cast to bf16 and the next step
-    computes with them. Three steps of two accumulated micro-batches each give the same params,
-    optimizer state and metrics as the steps that cast inside the forward, bit for bit (also with
-    Q, K and V as one packed product, whose three weights are concatenated after the cast)."""
-    rng = np.random.default_rng(4)
-    x = rng.integers(0, 512, (3, 2, 4, 33))
-    runs = []
-    for cast in (False, True):
-        cfg = micro_cfg("/unused", "data.grad_accum=2", f"optim.cast_weights={cast}",
-                        f"model.packed_qkv={packed}")
-        _, state, step = _setup(cfg)
-        assert ("casts" in state) == cast
-        metrics = []
-        for i in range(3):
-            batch = (jnp.asarray(x[i, ..., :-1], jnp.int32), jnp.asarray(x[i, ..., 1:], jnp.int32))
-            state, m = step(state, batch)
-            metrics.append(m)
-        runs.append((state, metrics))
-    (plain, m_plain), (cast, m_cast) = runs
-    kernels = [k for k in cast["casts"]]
-    assert len(kernels) == 2 * 6 and all(k.endswith("['kernel']") for k in kernels)
-    assert all(c.dtype == jnp.bfloat16 for c in cast["casts"].values())
-    chex.assert_trees_all_equal(T.persistent(cast), plain)
-    chex.assert_trees_all_equal(m_cast, m_plain)
-    chex.assert_trees_all_equal(cast["casts"], T.weight_casts(cast["params"], jnp.bfloat16))
-    # the step computes with the casts, not the params: zeroed casts change its loss
-    batch = (jnp.asarray(x[0, ..., :-1], jnp.int32), jnp.asarray(x[0, ..., 1:], jnp.int32))
-    _, _, step = _setup(cfg)  # the step donates its state: each call steps a copy
-    zeroed = {**jax.tree.map(jnp.copy, cast), "casts": jax.tree.map(jnp.zeros_like, cast["casts"])}
-    loss = lambda s: float(step(s, batch)[1]["loss"])
-    assert loss(zeroed) != loss(jax.tree.map(jnp.copy, cast))
+    computes with them; bitwise the steps that cast inside the forward
+    (``helpers.assert_cast_weights_change_no_bit``)."""
+    assert_cast_weights_change_no_bit(packed)
 
 
 def test_resume_with_cast_weights_is_bitwise(tmp_path, ckpt_run, full_run):
