@@ -593,14 +593,14 @@ def assert_cast_weights_change_no_bit(packed: bool, extra=()):
             state, m = step(state, batch(i))
             metrics.append(m)
         runs.append((state, metrics))
-    (plain, m_plain), (cast, m_cast) = runs
+    (plain, m_plain), (cast, m_cast) = runs  # ``step`` is the cast run's
     assert len(cast["casts"]) == 2 * 6 and all(k.endswith("['kernel']") for k in cast["casts"])
     assert all(c.dtype == jnp.bfloat16 for c in cast["casts"].values())
     chex.assert_trees_all_equal(T.persistent(cast), plain)
     chex.assert_trees_all_equal(m_cast, m_plain)
     chex.assert_trees_all_equal(cast["casts"], T.weight_casts(cast["params"], jnp.bfloat16))
     # the step computes with the casts, not the params: zeroed casts change its loss
-    _, step = setup(cfg)  # the step donates its state: each call steps a copy
+    # the step donates its state: each call steps a copy
     zeroed = {**jax.tree.map(jnp.copy, cast), "casts": jax.tree.map(jnp.zeros_like, cast["casts"])}
     loss = lambda s: float(step(s, batch(0))[1]["loss"])
     assert loss(zeroed) != loss(jax.tree.map(jnp.copy, cast))

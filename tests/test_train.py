@@ -345,7 +345,7 @@ def test_muon_partition_and_step():
     assert np.median(sv) / sv.max() > 0.4, sv
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_cast_weights_change_no_bit(packed):
     """``optim.cast_weights``: the update writes the matmul weights cast to bf16 and the next step
     computes with them; bitwise the steps that cast inside the forward
