@@ -102,10 +102,12 @@ FWD_KERNELS = ("triton", "mosaic")
 BWD_KERNELS = ("triton", "mosaic", "mosaic_dkdv")  # "mosaic_dkdv": Mosaic dK/dV, Triton dQ
 
 
-# A Mosaic kernel of two compute warpgroups and one producer (384 threads) starts with the register
-# file's even share, 65,536 / 384 rounded down to 8: 168 a thread. setmaxnreg moves registers between
-# warpgroups in steps of 8 within 24 … 256, and the three together cannot ask for more than they hold.
+# A Mosaic kernel of two compute warpgroups and one producer (384 threads) starts with the
+# register file's even share, 65,536 / 384 rounded down to 8: 168 a thread. setmaxnreg moves
+# registers between warpgroups in steps of 8 within 24 … 256, and the three together cannot ask
+# for more than they hold.
 MOSAIC_THREAD_REGS = 168
+MOSAIC_BWD_Q_TILES = (32, 64)  # the Mosaic dK/dV kernel's query blocks (Launch.mosaic_bwd_q_tile)
 
 
 def check_mosaic_regs(regs, name: str) -> None:
@@ -168,9 +170,10 @@ class Launch:
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
         if type(self.mosaic_bwd_overlap) is not bool:
             raise ValueError(f"mosaic_bwd_overlap must be a bool, got {self.mosaic_bwd_overlap!r}")
-        if self.mosaic_bwd_q_tile is not None and (type(self.mosaic_bwd_q_tile) is not int
-                                                   or self.mosaic_bwd_q_tile not in (32, 64)):
-            raise ValueError(f"mosaic_bwd_q_tile must be 32 or 64, got {self.mosaic_bwd_q_tile!r}")
+        q_tile = self.mosaic_bwd_q_tile
+        if q_tile is not None and (type(q_tile) is not int or q_tile not in MOSAIC_BWD_Q_TILES):
+            raise ValueError(f"mosaic_bwd_q_tile must be one of {MOSAIC_BWD_Q_TILES}, got "
+                             f"{self.mosaic_bwd_q_tile!r}")
         if self.mosaic_bwd_regs is not None:
             check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
         for name in ("bwd_block", "dq_block"):

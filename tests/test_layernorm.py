@@ -99,14 +99,26 @@ def test_chunks_are_powers_of_two_dividing_the_width():
     assert [chunk_width(d) for d in (768, 1024, 96, 80, 7)] == [256, 256, 32, 16, 1]
 
 
-def test_lowers_to_triton_for_cuda(monkeypatch):
-    """Forward and backward (and the fused addition's) lower to Triton modules for CUDA on a CPU
-    (``jax.export``, the kernels made to run compiled and the lowering told it targets an sm_90
-    GPU): Triton takes only power-of-two tensors, which the row chunks keep to at GPT-2's width."""
+@pytest.fixture
+def triton_for_cuda(monkeypatch):
+    """The kernels made to run compiled and the Triton lowering told it targets an sm_90 GPU, so
+    that ``jax.export`` lowers them for CUDA on a CPU; returns the lowering registration module."""
     from jax._src.pallas.triton import pallas_call_registration as reg
 
-    import models.layernorm as lnmod
+    class Sm90:
+        compute_capability = "9.0"
 
+    monkeypatch.setattr(layernorm, "_interpret", lambda: False)
+    if hasattr(reg, "gpu_info_lib"):
+        monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", Sm90)
+    return reg
+
+
+def test_lowers_to_triton_for_cuda(monkeypatch, triton_for_cuda):
+    """Forward and backward (and the fused addition's) lower to Triton modules for CUDA on a CPU
+    (``jax.export``, ``triton_for_cuda``): Triton takes only power-of-two tensors, which the row
+    chunks keep to at GPT-2's width."""
+    reg = triton_for_cuda
     seen = []
     lower = reg.lowering.lower_jaxpr_to_triton_module
 
@@ -115,13 +127,7 @@ def test_lowers_to_triton_for_cuda(monkeypatch):
         seen.append(str(result.module))
         return result
 
-    class Sm90:
-        compute_capability = "9.0"
-
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
-    monkeypatch.setattr(lnmod, "_interpret", lambda: False)
-    if hasattr(reg, "gpu_info_lib"):
-        monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", Sm90)
     x = jax.ShapeDtypeStruct((4, 1024, 768), jnp.float32)
     w = jax.ShapeDtypeStruct((768,), jnp.float32)
     f = jax.jit(jax.grad(lambda x, w: layer_norm(x, w, EPS, jnp.bfloat16).astype(jnp.float32).sum(),
@@ -141,20 +147,11 @@ def test_lowers_to_triton_for_cuda(monkeypatch):
     assert len(seen) == 4 and all("tt.func" in m for m in seen)
 
 
-def test_backward_stages_reach_the_triton_call_and_nothing_else(monkeypatch):
+def test_backward_stages_reach_the_triton_call_and_nothing_else(triton_for_cuda):
     """The fused backward's ``stages`` (a launch setting: how far Triton's pipeliner loads ahead)
     reaches the Triton call's parameters, and the lowered kernel is otherwise the same."""
     import functools
     import re
-
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    class Sm90:
-        compute_capability = "9.0"
-
-    monkeypatch.setattr(layernorm, "_interpret", lambda: False)
-    if hasattr(reg, "gpu_info_lib"):
-        monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", Sm90)
     rows = jax.ShapeDtypeStruct((4096, 768), jnp.float32)
     vec = jax.ShapeDtypeStruct((4096,), jnp.float32)
     args = (rows, jax.ShapeDtypeStruct((768,), jnp.float32), vec, vec,

@@ -232,7 +232,7 @@ def weight_casts(params, dtype) -> dict:
 def with_casts(state: dict, cfg: TrainConfig) -> dict:
     """``state`` with its "casts" made from its params where ``optim.cast_weights`` asks for them
     (and the compute dtype differs from the parameters'), without them otherwise."""
-    state = {k: v for k, v in state.items() if k != "casts"}
+    state = persistent(state)
     dtype, pdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
     if cfg.optim.cast_weights and dtype != pdtype:
         state["casts"] = weight_casts(state["params"], dtype)

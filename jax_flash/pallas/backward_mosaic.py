@@ -33,6 +33,7 @@ from jax import lax
 
 from .. import tile
 from ..rounding import cast_rounded, native_casts
+from ..spec import MOSAIC_BWD_Q_TILES as Q_TILES
 from ..spec import Numerics, check_mosaic_regs
 from . import mosaic_common
 from .mosaic_common import Stream, produce_kv, stream_ring, unsupported_masks
@@ -43,8 +44,7 @@ COMPUTE_WGS = 2
 KEYS = KEYS_PER_WG * COMPUTE_WGS  # keys per program
 # query rows per streamed block of the dK/dV kernel: the reduction dimension of dK and dV, which
 # wgmma adds 16 rows at a time into the accumulator whatever the block (numerics-neutral)
-Q_TILE = 64
-Q_TILES = (32, 64)  # Launch.mosaic_bwd_q_tile's choices: 32 halves the score tiles' registers
+Q_TILE = 64  # the default of Q_TILES, Launch.mosaic_bwd_q_tile's choices (32: half the registers)
 DQ_KEY_TILE = 64  # keys per streamed tile of the dQ kernel (its reduction dimension)
 HEAD_DIMS = (64, 128)
 # Shared-memory stages of the streamed ring (dK/dV: Q, dO; dQ: K, V): 32 KiB per stage at D = 128
