@@ -13,7 +13,7 @@ tiles are the call's defaults (``jax_flash.plan``), since they are numerics. Per
 2. with the fastest forward, the backward, timed on forward+backward: each Triton launch without
    and with ``prefetch_rows``, the Mosaic GPU dK/dV kernel beside the Triton dQ kernel under each
    launch, and the Mosaic GPU backward (its rings at the default depth and at each of
-   ``MOSAIC_STAGES``), where they cover the call;
+   ``MOSAIC_STAGES``, its register split at each of ``MOSAIC_REGS``), where they cover the call;
 3. the ``FINALISTS`` fastest of step 2, each also with ``split_diagonal`` (mask-free loops below the
    causal diagonal) where a Triton kernel runs, timed again in ``ROUNDS`` interleaved rounds
    (``bench.attention.timed_interleaved``): one-shot timings of one configuration drift by more
@@ -47,6 +47,7 @@ from .attention import _jax_pass, _timed, timed_interleaved
 
 LAUNCHES = [(4, 2), (4, 3), (8, 2), (8, 3)]  # Triton (num_warps, num_stages)
 MOSAIC_STAGES = (2, 4)  # ring depths of the Mosaic kernels tried beside their defaults
+MOSAIC_REGS = ((240, 24),)  # Mosaic backward (compute, producer) register splits beside the default
 FINALISTS, ROUNDS = 3, 3
 WARPS_STAGES = ("fwd", "bwd", "dq")  # launch fields written as {"num_warps", "num_stages"}
 
@@ -61,7 +62,8 @@ def backward_candidates(fwd: jf.Launch) -> list[jf.Launch]:
     plus = lambda **kw: dataclasses.replace(fwd, **kw)
     return ([plus(bwd=ws, prefetch_rows=pr) for ws in LAUNCHES for pr in (False, True)]
             + [plus(bwd_kernel="mosaic_dkdv", bwd=ws) for ws in LAUNCHES]  # ws: the Triton dQ's
-            + [plus(bwd_kernel="mosaic", mosaic_bwd_stages=n) for n in (None, *MOSAIC_STAGES)])
+            + [plus(bwd_kernel="mosaic", mosaic_bwd_stages=n) for n in (None, *MOSAIC_STAGES)]
+            + [plus(bwd_kernel="mosaic", mosaic_bwd_regs=r) for r in MOSAIC_REGS])
 
 
 def finalists(launches: list[jf.Launch]) -> list[jf.Launch]:
