@@ -16,8 +16,7 @@ import pytest
 
 import jax_flash as jf
 from jax_flash.pallas import tuning
-from helpers import (assert_add_layer_norm_is_the_pair, assert_cast_weights_change_no_bit,
-                     assert_gelu_erf_within_bound,
+from helpers import (assert_add_layer_norm_is_the_pair, assert_gelu_erf_within_bound,
                      assert_pallas_cross_entropy_within_bound,
                      fp32_cross_entropy_of_upcast, tied_inputs)
 
@@ -436,13 +435,6 @@ def test_gpu_layernorm_backward_stages_change_no_bit(stages):
     bwd = lambda st: jax.jit(lambda *a: layernorm._add_backward(
         *a, r_dtype=jnp.bfloat16, stages=st))(s, w, mean, rstd, dy, gs)
     chex.assert_trees_all_equal(bwd(stages), bwd(1))
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_gpu_cast_weights_change_no_bit(packed):
-    """``optim.cast_weights`` compiled for the GPU (cuBLAS products, Pallas attention): as the CPU
-    test, ``helpers.assert_cast_weights_change_no_bit``, with the flash attention arm."""
-    assert_cast_weights_change_no_bit(packed, ("attention.kind=flash",))
 
 
 def test_gpu_add_layer_norm_is_the_pair():

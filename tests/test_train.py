@@ -13,7 +13,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +23,7 @@ from train import config as C
 from train import gpt2 as T
 from train.checkpoint import CheckpointError, CheckpointStore
 
-from helpers import MICRO, Tokens, assert_cast_weights_change_no_bit, micro_cfg
+from helpers import MICRO, Tokens, micro_cfg
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -343,27 +342,6 @@ def test_muon_partition_and_step():
     )
     sv = np.linalg.svd(dw, compute_uv=False)
     assert np.median(sv) / sv.max() > 0.4, sv
-
-
-@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_cast_weights_change_no_bit(packed):
-    """``optim.cast_weights``: the update writes the matmul weights cast to bf16 and the next step
-    computes with them; bitwise the steps that cast inside the forward
-    (``helpers.assert_cast_weights_change_no_bit``)."""
-    assert_cast_weights_change_no_bit(packed)
-
-
-def test_resume_with_cast_weights_is_bitwise(tmp_path, ckpt_run, full_run):
-    """A run checkpointed without casts resumes with ``optim.cast_weights`` (a resume-safe key:
-    checkpoints never hold the casts, a restore makes them from the params) and reproduces the
-    uninterrupted run's losses and gradient norms bit for bit."""
-    part, cfg = copy_run(ckpt_run, tmp_path / "part")
-    cfg = dataclasses.replace(cfg, resume=True,
-                              optim=dataclasses.replace(cfg.optim, cast_weights=True))
-    assert T.train(cfg)["resumed_from"] == 4
-    a, b = full_run, T.read_metrics(part)
-    assert [m["loss"] for m in a] == [m["loss"] for m in b]
-    assert [m["grad_norm"] for m in a] == [m["grad_norm"] for m in b]
 
 
 def test_checkpoint_round_trip(tmp_path, constant_lr_step):

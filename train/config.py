@@ -44,10 +44,6 @@ class OptimConfig:
     clip: float | None = 1.0  # global-norm clip; none/0 disables
     muon_lr: float | None = None  # Muon's lr for hidden matrices; None: 0.02 * lr / 1e-3
     muon_beta: float = 0.95
-    # the update also writes each matmul weight ("kernel") cast to the model's compute dtype, and
-    # the next step computes with those: the casts the forward would make, made once in the
-    # optimizer's pass over the weights (the same values; tests/test_train.py)
-    cast_weights: bool = False
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
@@ -67,8 +63,6 @@ class OptimConfig:
             _nonneg_float("clip", self.clip)  # 0 disables, like none
         if self.muon_lr is not None:
             _positive_float("muon_lr", self.muon_lr)
-        if not isinstance(self.cast_weights, bool):
-            raise ValueError(f"cast_weights must be a bool, got {self.cast_weights!r}")
 
 
 OPTIMIZERS = ("adamw", "muon")
@@ -345,7 +339,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 RESUME_SAFE = frozenset({
     "run_dir", "max_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
     "resume_step", "probe_every", "divergence_factor", "progress", "data.eval_batches",
-    "optim.cast_weights",  # changes no value: the casts are not checkpointed, made again on restore
 })
 
 

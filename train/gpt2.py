@@ -207,49 +207,12 @@ def nudge_params(params, replicate: int):
 
 
 def init_state(cfg: TrainConfig, params, tx) -> dict:
-    state = {
+    return {
         "step": jnp.zeros((), jnp.int32),
         "params": params,
         "opt_state": tx.init(params),
         "rng": jax.random.PRNGKey(cfg.seed),  # raw uint32[2] key: checkpoints as a plain array
     }
-    return with_casts(state, cfg)
-
-
-# ``optim.cast_weights``: the matmul weights cast to the compute dtype ride in the state as "casts"
-# (path → array); they are derived data, so checkpoints leave them out and a restore makes them again
-def _is_cast(path) -> bool:
-    return getattr(path[-1], "key", None) == "kernel"
-
-
-def weight_casts(params, dtype) -> dict:
-    """Every matmul weight (a leaf named "kernel", which the model only ever uses cast to its
-    compute dtype) cast to ``dtype``, keyed by its path."""
-    return {jax.tree_util.keystr(path): leaf.astype(dtype)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0] if _is_cast(path)}
-
-
-def with_casts(state: dict, cfg: TrainConfig) -> dict:
-    """``state`` with its "casts" made from its params where ``optim.cast_weights`` asks for them
-    (and the compute dtype differs from the parameters'), without them otherwise."""
-    state = persistent(state)
-    dtype, pdtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
-    if cfg.optim.cast_weights and dtype != pdtype:
-        state["casts"] = weight_casts(state["params"], dtype)
-    return state
-
-
-def persistent(state: dict) -> dict:
-    """What a checkpoint keeps of ``state``: all but the casts, which its params determine."""
-    return {k: v for k, v in state.items() if k != "casts"}
-
-
-def _compute_params(params, casts):
-    """``params`` with each cast weight replaced by its cast (``casts`` None: ``params``)."""
-    if casts is None:
-        return params
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: casts.get(jax.tree_util.keystr(path), leaf), params)
 
 
 # ----------------------------------------------------------------------------- step functions
@@ -285,20 +248,15 @@ def train_step(state: dict, batch, *, graphdef, tx, schedule, mesh=None):
     ``mesh``: the 1-D "data" mesh the batch is sharded over (``per_device``)."""
     x, y = batch
     params = state["params"]
-    casts = state.get("casts")
-    master_dtypes = jax.tree.map(lambda p: p.dtype, params)  # gradients sum in the params' dtype
     grad_fn = jax.value_and_grad(loss_fn)
 
     def grads_and_loss(params, x, y):
         def micro(carry, xy):
             g_sum, l_sum = carry
             loss, grads = grad_fn(params, graphdef, *xy)
-            # a cast weight's gradient comes in the cast's dtype: upcast, as the cast's own
-            # derivative does when the forward casts the parameter itself
-            return (jax.tree.map(lambda s, g: s + g.astype(s.dtype), g_sum, grads),
-                    l_sum + loss), None
+            return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss), None
 
-        zeros = jax.tree.map(lambda p, dt: jnp.zeros(p.shape, dt), params, master_dtypes)
+        zeros = jax.tree.map(jnp.zeros_like, params)
         (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (x, y))
         n = x.shape[0]
         if n > 1:
@@ -306,7 +264,7 @@ def train_step(state: dict, batch, *, graphdef, tx, schedule, mesh=None):
             loss = loss / n
         return grads, loss
 
-    grads, loss = per_device(grads_and_loss, mesh)(_compute_params(params, casts), x, y)
+    grads, loss = per_device(grads_and_loss, mesh)(params, x, y)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = {
         "step": state["step"] + 1,
@@ -314,9 +272,6 @@ def train_step(state: dict, batch, *, graphdef, tx, schedule, mesh=None):
         "opt_state": opt_state,
         "rng": jax.random.split(state["rng"])[0],
     }
-    if casts is not None:  # cast in the update's own pass over the weights
-        dtype = next(iter(casts.values())).dtype
-        new_state["casts"] = weight_casts(new_state["params"], dtype)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
     return new_state, metrics
 
@@ -549,8 +504,7 @@ def train(
     # ---- resume: restore, check, and only then touch the run directory
     running_min = math.inf
     if plan is not None:
-        state, meta = store.restore(start, persistent(state), replicated)
-        state = with_casts(state, cfg)
+        state, meta = store.restore(start, state, replicated)
         bad = {k: int(v) for k, v in jax.device_get(count_nonfinite(state)).items()}
         if any(bad.values()):
             raise CheckpointError(f"checkpoint {start} in {store.dir} matches its checksums but "
@@ -665,7 +619,7 @@ def train(
                     break
                 store.save(
                     step,
-                    persistent(state),
+                    state,
                     _jsonable({"step": step, "sampler": sampler.state_dict(), "running_min": running_min}),
                     config=config_lib.to_dict(cfg),
                     code=code,
