@@ -107,7 +107,6 @@ BWD_KERNELS = ("triton", "mosaic", "mosaic_dkdv")  # "mosaic_dkdv": Mosaic dK/dV
 # registers between warpgroups in steps of 8 within 24 … 256, and the three together cannot ask
 # for more than they hold.
 MOSAIC_THREAD_REGS = 168
-MOSAIC_BWD_Q_TILES = (32, 64)  # the Mosaic dK/dV kernel's query blocks (Launch.mosaic_bwd_q_tile)
 
 
 def check_mosaic_regs(regs, name: str) -> None:
@@ -149,9 +148,6 @@ class Launch:
     # Mosaic backward kernels: registers a thread of each compute / producer warpgroup asks for
     # (setmaxnreg); None: (232, 40). Only where values live, so only whether the compiler spills.
     mosaic_bwd_regs: tuple[int, int] | None = None
-    # Mosaic dK/dV kernel: query rows per streamed block, 32 or 64 (None: 64); wgmma adds them into
-    # dK and dV 16 at a time either way, and 32 halves the registers of the score tiles
-    mosaic_bwd_q_tile: int | None = None
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -170,10 +166,6 @@ class Launch:
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
         if type(self.mosaic_bwd_overlap) is not bool:
             raise ValueError(f"mosaic_bwd_overlap must be a bool, got {self.mosaic_bwd_overlap!r}")
-        q_tile = self.mosaic_bwd_q_tile
-        if q_tile is not None and (type(q_tile) is not int or q_tile not in MOSAIC_BWD_Q_TILES):
-            raise ValueError(f"mosaic_bwd_q_tile must be one of {MOSAIC_BWD_Q_TILES}, got "
-                             f"{self.mosaic_bwd_q_tile!r}")
         if self.mosaic_bwd_regs is not None:
             check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
         for name in ("bwd_block", "dq_block"):

@@ -142,7 +142,7 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch, kernel):
 def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
     """backward.py's hook: for ``Launch.bwd_kernel`` "mosaic" / "mosaic_dkdv" dK and dV are the
     Mosaic kernel's (given q, k, v, dO, L, δ as the Triton kernel gets them, the gradients' dtype,
-    the launch's ring depth, register split, query tile and ``mosaic_bwd_overlap``), dQ the Mosaic dQ kernel's or (dK/dV only)
+    the launch's ring depth, register split and ``mosaic_bwd_overlap``), dQ the Mosaic dQ kernel's or (dK/dV only)
     still the Triton kernel's; for "triton" nothing of it runs."""
     shape = (1, 128, 1, 64)
     cfg = make_cfg(128, 64)
@@ -154,8 +154,8 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
 
     def fake(fill):
         def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None,
-                   regs=None, **only_dkdv):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, only_dkdv))
+                   regs=None, overlap=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, overlap))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
@@ -165,12 +165,11 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
     launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
-                       mosaic_bwd_overlap=overlap, mosaic_bwd_regs=(240, 24),
-                       mosaic_bwd_q_tile=32)
+                       mosaic_bwd_overlap=overlap, mosaic_bwd_regs=(240, 24))
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    # the dK/dV kernel (called first) takes the flag and the query tile; the dQ kernel has neither
-    assert [s[-1] for s in seen] == [{"overlap": overlap, "q_tile": 32}, {}][:len(seen)]
+    # the dK/dV kernel (called first) takes the flag; the dQ kernel has no such reordering
+    assert [s[-1] for s in seen] == [overlap, None][:len(seen)]
     for args, got_cfg, out_dtype, stages, regs, _ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
@@ -258,35 +257,6 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg)
     base = _interpreted(q, k, v, do, lse, dlt, cfg)
     chex.assert_trees_all_equal(_interpreted(q, k, v, do, lse, dlt, cfg, stages=1), base)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("shape,causal", [((1, 256, 2, 64), True),
-                                          pytest.param((1, 384, 1, 128), False,
-                                                       marks=pytest.mark.slow)],
-                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
-def test_interpreted_query_tile_32(rng, assert_close, shape, causal):
-    """``Launch.mosaic_bwd_q_tile`` 32: the dK/dV kernel streams 32-row query blocks (causal: the
-    diagonal's masks and bounds at 32 rows against 64 keys a warpgroup), races checked. The
-    interpreter sums each block's product apart, so dK, dV are held to twice the gradient bound of
-    the 64-row kernel's and of the jnp executor's (on the GPU, wgmma adds 16 rows at a time either
-    way: bitwise, tests/test_gpu.py)."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
-
-    cfg = make_cfg(shape[1], shape[-1], causal=causal)
-    q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg)
-    got = {}
-    for q_tile in (None, 32):
-        interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-        got[q_tile] = jitted(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16,
-                             interpret=interpret_params(), q_tile=q_tile)
-        jax.block_until_ready(got[q_tile])  # the interpreter's state is global
-        assert not interp.get_races().races_found
-    jnp_g = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)
-    bounds = grad_bounds(q, k, v, do, cfg)
-    for i, name in ((0, "dK"), (1, "dV")):
-        assert_close(got[32][i], got[None][i], 2 * bounds[i + 1], f"{name} vs 64-row blocks")
-        assert_close(got[32][i], jnp_g[i + 1], 2 * bounds[i + 1], f"{name} vs jnp")
 
 
 def test_ring_that_cannot_fit_raises():

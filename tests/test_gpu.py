@@ -325,19 +325,6 @@ def test_gpu_mosaic_bwd_regs_change_no_bit(shape, overlap):
     chex.assert_trees_all_equal(f((240, 24)), f(None))
 
 
-@pytest.mark.parametrize("shape", [(2, 2048, 4, 128), (2, 1024, 4, 64)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("causal", [True, False])
-def test_gpu_mosaic_bwd_q_tile_changes_no_bit(shape, causal):
-    """``Launch.mosaic_bwd_q_tile`` 32: the dK/dV kernel streams 32-row query blocks, whose rows
-    wgmma adds into dK and dV 16 at a time as it does for 64-row blocks: O, dQ, dK, dV bitwise the
-    default's."""
-    q, k, v, do = (randn(70 + s, shape) for s in range(4))
-    f = lambda q_tile: run(q, k, v, do, impl="pallas", causal=causal,
-                           launch={"bwd_kernel": "mosaic", "mosaic_bwd_q_tile": q_tile})
-    chex.assert_trees_all_equal(f(32), f(None))
-
-
 def test_gpu_explicit_mosaic_launch_that_cannot_run_raises():
     """Asked for explicitly, a Mosaic kernel that does not cover the call (T padded to 1088 rows,
     not a multiple of 128) raises; chosen by the table, the call runs the Triton kernel (``plan``

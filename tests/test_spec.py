@@ -49,8 +49,7 @@ def test_launch_fields_and_validation():
     full = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic_dkdv", fwd=(4, 3), bwd=(8, 2),
                      dq=(4, 2), split_diagonal=True, bwd_block=128, dq_block=64, prefetch_rows=True,
                      prefetch_scores=True, mosaic_fwd_stages=3, mosaic_bwd_stages=4,
-                     mosaic_bwd_overlap=True, mosaic_bwd_regs=(240, 24),
-                     mosaic_bwd_q_tile=32)
+                     mosaic_bwd_overlap=True, mosaic_bwd_regs=(240, 24))
     assert jf.Launch.from_dict(full.to_dict()) == full
     assert jf.Launch.from_dict(json.loads(json.dumps(full.to_dict()))) == full  # lists → tuples
     assert jf.Launch.from_dict({"fwd": {"num_warps": 4, "num_stages": 3}}).fwd == (4, 3)
@@ -71,10 +70,7 @@ def test_launch_fields_and_validation():
                      ({"mosaic_bwd_regs": (168, 176)}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_regs": (240,)}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_regs": (240.0, 24)}, "mosaic_bwd_regs"),
-                     ({"mosaic_bwd_regs": {"compute": 240}}, "mosaic_bwd_regs"),
-                     ({"mosaic_bwd_q_tile": 48}, "mosaic_bwd_q_tile"),
-                     ({"mosaic_bwd_q_tile": 32.0}, "mosaic_bwd_q_tile"),
-                     ({"mosaic_bwd_q_tile": 128}, "mosaic_bwd_q_tile")):
+                     ({"mosaic_bwd_regs": {"compute": 240}}, "mosaic_bwd_regs")):
         with pytest.raises(ValueError, match=msg):
             jf.Launch.from_dict(bad)
 

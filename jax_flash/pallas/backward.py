@@ -253,8 +253,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                              stages=launch.mosaic_bwd_stages,
                                              overlap=launch.mosaic_bwd_overlap,
-                                             regs=launch.mosaic_bwd_regs,
-                                             q_tile=launch.mosaic_bwd_q_tile)
+                                             regs=launch.mosaic_bwd_regs)
     else:
         dk, dv = pl.pallas_call(
             dkdv_kernel,

@@ -33,7 +33,6 @@ from jax import lax
 
 from .. import tile
 from ..rounding import cast_rounded, native_casts
-from ..spec import MOSAIC_BWD_Q_TILES as Q_TILES
 from ..spec import Numerics, check_mosaic_regs
 from . import mosaic_common
 from .mosaic_common import Stream, produce_kv, stream_ring, unsupported_masks
@@ -42,9 +41,7 @@ from .mosaic_common import exp2_backend as _exp2
 KEYS_PER_WG = 64  # wgmma's M: the keys of one compute warpgroup
 COMPUTE_WGS = 2
 KEYS = KEYS_PER_WG * COMPUTE_WGS  # keys per program
-# query rows per streamed block of the dK/dV kernel: the reduction dimension of dK and dV, which
-# wgmma adds 16 rows at a time into the accumulator whatever the block (numerics-neutral)
-Q_TILE = 64  # the default of Q_TILES, Launch.mosaic_bwd_q_tile's choices (32: half the registers)
+Q_TILE = 64  # query rows per streamed block (the reduction dimension of dK, dV: numerics-neutral)
 DQ_KEY_TILE = 64  # keys per streamed tile of the dQ kernel (its reduction dimension)
 HEAD_DIMS = (64, 128)
 # Shared-memory stages of the streamed ring (dK/dV: Q, dO; dQ: K, V): 32 KiB per stage at D = 128
@@ -104,13 +101,13 @@ def ds_tile(p_t, dp_t, delta_b):
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Numerics,
             nq: int, stages: int, interpret: bool, overlap: bool = False,
-            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), q_tile: int = Q_TILE):
+            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
     (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
      free, k_ready, v_ready, *staging) = scratch
-    bq, bk, d = q_tile, KEYS_PER_WG, q_ref.shape[-1]
+    bq, bk, d = Q_TILE, KEYS_PER_WG, q_ref.shape[-1]
     wg = lax.axis_index("wg")
     # the program's key/value head; its group's query heads head·g … head·g + g − 1 come one after
     # the other, each with its query blocks in increasing order (the Triton kernel's order)
@@ -311,27 +308,15 @@ def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
         raise ValueError(f"the Mosaic GPU {kernel} kernel does not cover this call: {reason}")
 
 
-def q_tile_layout(q_tile):
-    """Shared-memory tiling and swizzle of the dK/dV kernel's Q, dO, K and V tiles. Q and dO are
-    the right-hand operands of dK += dSᵀ·Q and dV += Pᵀ·dO, whose reduction runs over the block's
-    rows, and wgmma reads a swizzled operand a whole swizzle width of rows at a time: 128 bytes (64
-    bf16 rows) for 64-row blocks, 64 bytes for 32-row ones; K and V share it, as the two operands
-    of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ must."""
+def dkdv_scratch(d, dtype, stages):
+    """The dK/dV kernel's compiled shared-memory scratch with a Q/dO ring of ``stages``."""
     plgpu = mosaic_common.plgpu()
-    swizzle = min(128, 2 * q_tile)
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
-
-
-def dkdv_scratch(d, dtype, stages, q_tile=Q_TILE):
-    """The dK/dV kernel's compiled shared-memory scratch with a Q/dO ring of ``stages`` blocks of
-    ``q_tile`` rows."""
-    plgpu = mosaic_common.plgpu()
-    layout = q_tile_layout(q_tile)
+    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     return (
-        plgpu.SMEM((stages, q_tile, d), dtype, transforms=layout),  # Q ring
-        plgpu.SMEM((stages, q_tile, d), dtype, transforms=layout),  # dO ring
-        plgpu.SMEM((stages, q_tile), jnp.float32),  # L ring
-        plgpu.SMEM((stages, q_tile), jnp.float32),  # δ ring
+        plgpu.SMEM((stages, Q_TILE, d), dtype, transforms=layout),  # Q ring
+        plgpu.SMEM((stages, Q_TILE, d), dtype, transforms=layout),  # dO ring
+        plgpu.SMEM((stages, Q_TILE), jnp.float32),  # L ring
+        plgpu.SMEM((stages, Q_TILE), jnp.float32),  # δ ring
         plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, d), dtype, transforms=layout),  # K, then dK
         plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, d), dtype, transforms=layout),  # V, then dV
         plgpu.Barrier(num_barriers=stages),  # Q arrived
@@ -365,7 +350,7 @@ def dq_scratch(d, dtype, stages):
 
 
 def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-                overlap=False, regs=None, q_tile=None):
+                overlap=False, regs=None):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
     query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
@@ -375,25 +360,20 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     (``_kernel``'s ``overlapped``), which changes no value either; interpreted, it is ignored: the
     interpreter has no register operand of wgmma nor ``run_state`` to keep an MMA in flight.
     ``regs``: ``Launch.mosaic_bwd_regs``, the (compute, producer) registers a thread (None:
-    ``COMPUTE_REGS``, ``PRODUCER_REGS``), which changes where values live, not what they are.
-    ``q_tile``: ``Launch.mosaic_bwd_q_tile``, the query rows per streamed block (None: ``Q_TILE``),
-    which wgmma sums into dK and dV 16 rows at a time whatever the block."""
+    ``COMPUTE_REGS``, ``PRODUCER_REGS``), which changes where values live, not what they are."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
-    q_tile = Q_TILE if q_tile is None else q_tile
-    if q_tile not in Q_TILES:
-        raise ValueError(f"q_tile {q_tile!r}: expected one of {Q_TILES}")
-    nq = t // q_tile
-    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n, q_tile), stages,
-                                       STAGES[d], nq, "dK/dV")
-    scratch = dkdv_scratch(d, q.dtype, stages, q_tile)
+    nq = t // Q_TILE
+    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n), stages, STAGES[d],
+                                       nq, "dK/dV")
+    scratch = dkdv_scratch(d, q.dtype, stages)
     if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
-        scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, q_tile), q.dtype,
-                               transforms=q_tile_layout(q_tile)),) * 2
+        scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
     body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages,
                              interpret=interpret is not None, overlap=bool(overlap),
-                             regs=_regs(regs), q_tile=q_tile)
+                             regs=_regs(regs))
 
     def entry(*refs):
         from jax.experimental import pallas as pl

@@ -33,7 +33,7 @@ def test_tie_count_grows_with_the_key_tile():
         assert extra["k128"][op] - extra["k64"][op] == BODIES * PER_ENTRY_OPS_PER_64_KEYS, op
 
 
-def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv", q_tile=None):
+def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv"):
     """The causal dK/dV (or dQ) kernel's module at [1, t, 2, d], without its per-process dump
     name."""
     from jax_flash.pallas import backward_mosaic as bm
@@ -42,7 +42,7 @@ def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv", q_tile=None):
     cfg = mosaic_ops.numerics((1, t, 2, d), True)
     q = jax.ShapeDtypeStruct((1, t, 2, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((1, 2, t), jnp.float32)
-    kw = {"regs": regs} | ({"overlap": overlap, "q_tile": q_tile} if kernel == "dkdv" else {})
+    kw = {"regs": regs} | ({"overlap": overlap} if kernel == "dkdv" else {})
     fn = bm.dkdv_mosaic if kernel == "dkdv" else bm.dq_mosaic
     f = jax.jit(lambda *a: fn(*a, cfg, out_dtype=jnp.bfloat16, **kw))
     with mosaic_ops.captured_modules() as seen:
@@ -78,20 +78,3 @@ def test_bwd_regs_change_only_the_register_requests(kernel):
     assert SETMAXNREG.findall(ours) == [("inc", "240"), ("dec", "24")]
     strip = lambda m: SETMAXNREG.sub(r"setmaxnreg.\1.sync.aligned.u32 N;", m)
     assert strip(plain) == strip(ours)
-
-
-WGMMA_SHAPE = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16")
-
-
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("q_tile", [64, 32])
-def test_bwd_q_tile_sets_the_mma_shapes(d, q_tile):
-    """``Launch.mosaic_bwd_q_tile`` lowers for CUDA, and each loop body's four products take its
-    block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as wgmma instructions of N = ``q_tile`` (d / 16 each), dV and
-    dK as N = d instructions over a reduction of ``q_tile`` rows (``q_tile`` / 16 each)."""
-    module = _bwd_module(d, q_tile=None if q_tile == 64 else q_tile)
-    counts = {}
-    for n in WGMMA_SHAPE.findall(module):
-        counts[int(n)] = counts.get(int(n), 0) + 1
-    scores, grads = BODIES * 2 * d // 16, BODIES * 2 * q_tile // 16
-    assert counts == ({d: scores + grads} if q_tile == d else {q_tile: scores, d: grads})
