@@ -142,8 +142,8 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch, kernel):
 def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
     """backward.py's hook: for ``Launch.bwd_kernel`` "mosaic" / "mosaic_dkdv" dK and dV are the
     Mosaic kernel's (given q, k, v, dO, L, δ as the Triton kernel gets them, the gradients' dtype,
-    the launch's ring depth, register split and ``mosaic_bwd_overlap``), dQ the Mosaic dQ kernel's or (dK/dV only)
-    still the Triton kernel's; for "triton" nothing of it runs."""
+    the launch's ring depth, register split and ``mosaic_bwd_overlap``), dQ the Mosaic dQ kernel's
+    or (dK/dV only) still the Triton kernel's; for "triton" nothing of it runs."""
     shape = (1, 128, 1, 64)
     cfg = make_cfg(128, 64)
     q, k, v, do = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), BF16)
