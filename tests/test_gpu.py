@@ -55,13 +55,13 @@ def run(q, k, v, do, **kw):
     return jax.jit(lambda q, k, v, do: fwd_bwd(q, k, v, do, **kw))(q, k, v, do)
 
 
-def run_on_cpu(q, k, v, do, **kw):
-    """``run`` on the host's CPU. On the GPU, XLA chooses its products' algorithms by timing them,
-    so the jnp executor's FP32 sums there can differ between processes; on the CPU they are fixed
-    by the arguments, the computation a user's CPU runs for the same call."""
+def on_cpu(fn, *arrays):
+    """``fn(*arrays)`` on the host's CPU. On the GPU, XLA chooses its products' algorithms by timing
+    them, so the jnp executor's FP32 sums there can differ between processes; on the CPU they are
+    fixed by the arguments, the computation a user's CPU runs for the same call."""
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        return run(*jax.device_put((q, k, v, do), cpu), **kw)
+        return fn(*jax.device_put(arrays, cpu))
 
 
 def abs_terms(q, k, v, do, causal, sm_scale):
@@ -125,7 +125,7 @@ def _entry_cases():
 @pytest.mark.parametrize("key,policy,shape,causal", _entry_cases(), ids=lambda x: x if isinstance(x, str) else "")
 def test_gpu_every_tuning_entry_computes_the_jnp_numerics(key, policy, shape, causal, stable, inputs):
     """The shipped table's launch at its shape (``plan`` picks it) against the jnp executor on the
-    same arguments, run on the CPU (``run_on_cpu``): the same ``Plan.numerics``, and values within
+    same arguments, run on the CPU (``on_cpu``): the same ``Plan.numerics``, and values within
     ``assert_same_numerics`` — on
     random inputs ≥ 99.9 % of the elements within one BF16 ulp; on tied rows, near-ties and
     subnormal P̄ (a key 4.5× as strong as the tied ones) within the bound."""
@@ -141,7 +141,7 @@ def test_gpu_every_tuning_entry_computes_the_jnp_numerics(key, policy, shape, ca
     assert plan_p.launch != jf.Launch(), "the entry did not reach the call"
     print(key, plan_p.to_dict())
     pallas = run(q, k, v, do, impl="pallas", **kw)
-    jnp_ex = run_on_cpu(q, k, v, do, impl="jnp", **kw)
+    jnp_ex = on_cpu(lambda *a: run(*a, impl="jnp", **kw), q, k, v, do)
     terms = abs_terms(q, k, v, do, causal, plan_p.numerics.sm_scale)
     for name, a, b, t in zip(("O", "dQ", "dK", "dV"), pallas, jnp_ex, terms):
         chex.assert_type(a, BF16)
@@ -149,9 +149,7 @@ def test_gpu_every_tuning_entry_computes_the_jnp_numerics(key, policy, shape, ca
         assert_same_numerics(f"{key} stable={stable} {inputs} {name}", a, b, t,
                              min_within_ulp=0.999 if inputs == "random" else 0.0)
     lse_p = jf.attention_with_lse(q, k, v, impl="pallas", **kw)[1]
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        lse_j = jf.attention_with_lse(*jax.device_put((q, k, v), cpu), impl="jnp", **kw)[1]
+    lse_j = on_cpu(lambda *a: jf.attention_with_lse(*a, impl="jnp", **kw)[1], q, k, v)
     # L = m + log ℓ: the same m; ℓ summed in another order (a few FP32 ulps) and the GPU's
     # approximate log2 (absolute error below 2⁻²²)
     chex.assert_trees_all_close(np.asarray(lse_p), np.asarray(lse_j), rtol=2.0 ** -20,
