@@ -91,23 +91,38 @@ def abs_terms(q, k, v, do, causal, sm_scale):
     return terms(q, k, v, do)
 
 
-def assert_same_numerics(name, a, b, terms, min_within_ulp=0.999):
-    """Two executors' outputs of one call: ≥ ``min_within_ulp`` of the elements within one BF16 ulp
-    of each other, and every element within 2 ulps plus one BF16 ulp of its absolute terms (the
-    executors share every rounding point; their exp2 and their FP32 summation order inside
-    products differ in last FP32 bits, which can flip a BF16 rounding of P̄ or dS). Where an output
-    is a cancellation of much larger terms, one such flip is many ulps of the output: adversarial
-    inputs are held to the bound alone (``min_within_ulp=0``)."""
+def cpu_flush_term(q, k, v, do):
+    """What XLA:CPU's flushing of FP32 subnormals can move an output element by. The CPU flushes
+    every subnormal operand and result to zero, the GPU keeps them; each flushed value is below
+    2⁻¹²⁶. A flushed P̄ or dS entry moves its term by under 2⁻¹²⁶·M (M the largest input
+    magnitude), a flushed product or partial sum by under 2⁻¹²⁶, the flushes inside dP (d products
+    and sums) move a dS entry by under 2d·2⁻¹²⁶; over n terms: under 2⁻¹²⁶·n·(2 + (2d + 1)·M)."""
+    n, d = q.shape[1], q.shape[-1]
+    m = max(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (q, k, v, do))
+    return float(jnp.finfo(jnp.float32).tiny) * n * (2 + (2 * d + 1) * m)
+
+
+def assert_same_numerics(name, a, b, terms, flush=0.0):
+    """Two executors' outputs of one call: every element within 2 ulps plus one BF16 ulp of its
+    absolute terms, plus ``flush`` (an absolute term for a reference that flushes subnormals,
+    ``cpu_flush_term``). The executors share every rounding point; their exp2 and their FP32
+    summation order inside products differ in last FP32 bits, which can flip a BF16 rounding of P̄
+    or dS. Where an output is a cancellation of much larger terms, one such flip is many ulps of
+    the output. The share within one BF16 ulp is printed, not asserted: it is a statistic of the
+    two summation orders, below 99.9 % at head_dim 128 for any two orders of the jnp executor's
+    own products (``python -m lab.product_order``), where the bound is derived."""
     a, b, terms = (np.asarray(x, np.float64) for x in (a, b, terms))
     mag = np.maximum(np.abs(a), np.abs(b))
     ulp = EPS_BF16 * 2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
     diff = np.abs(a - b)
     within = float(np.mean(diff <= ulp))
-    bound = 2 * ulp + EPS_BF16 * terms
+    bound = 2 * ulp + EPS_BF16 * terms + flush
+    share = diff / bound
+    worst = np.unravel_index(np.argmax(share), share.shape)
     print(f"{name}: bitwise {100 * np.mean(diff == 0):.3f} %, ≤ 1 ulp {100 * within:.4f} %, "
-          f"worst share of bound {np.max(diff / bound):.3f}")
-    assert within >= min_within_ulp, (name, within)
-    assert np.all(diff <= bound), (name, float(np.max(diff / bound)))
+          f"worst share of bound {share[worst]:.3f} (at {a[worst]:.4g} vs {b[worst]:.4g}, "
+          f"terms {terms[worst]:.4g})")
+    assert np.all(diff <= bound), (name, float(share[worst]))
 
 
 def _entry_cases():
@@ -125,10 +140,10 @@ def _entry_cases():
 @pytest.mark.parametrize("key,policy,shape,causal", _entry_cases(), ids=lambda x: x if isinstance(x, str) else "")
 def test_gpu_every_tuning_entry_computes_the_jnp_numerics(key, policy, shape, causal, stable, inputs):
     """The shipped table's launch at its shape (``plan`` picks it) against the jnp executor on the
-    same arguments, run on the CPU (``on_cpu``): the same ``Plan.numerics``, and values within
-    ``assert_same_numerics`` — on
-    random inputs ≥ 99.9 % of the elements within one BF16 ulp; on tied rows, near-ties and
-    subnormal P̄ (a key 4.5× as strong as the tied ones) within the bound."""
+    same arguments, run on the GPU and on the CPU (``on_cpu``): the same ``Plan.numerics``, and
+    every element within ``assert_same_numerics``'s bound of each (the CPU's with its flushed
+    subnormals, ``cpu_flush_term``), on random inputs and on tied rows, near-ties and subnormal P̄
+    (a key 4.5× as strong as the tied ones)."""
     if inputs == "random":
         q, k, v = (randn(s, shape) for s in (1, 2, 3))
     else:
@@ -141,13 +156,16 @@ def test_gpu_every_tuning_entry_computes_the_jnp_numerics(key, policy, shape, ca
     assert plan_p.launch != jf.Launch(), "the entry did not reach the call"
     print(key, plan_p.to_dict())
     pallas = run(q, k, v, do, impl="pallas", **kw)
-    jnp_ex = on_cpu(lambda *a: run(*a, impl="jnp", **kw), q, k, v, do)
+    refs = {"gpu": (run(q, k, v, do, impl="jnp", **kw), 0.0),
+            "cpu": (on_cpu(lambda *a: run(*a, impl="jnp", **kw), q, k, v, do),
+                    cpu_flush_term(q, k, v, do))}
     terms = abs_terms(q, k, v, do, causal, plan_p.numerics.sm_scale)
-    for name, a, b, t in zip(("O", "dQ", "dK", "dV"), pallas, jnp_ex, terms):
-        chex.assert_type(a, BF16)
-        chex.assert_shape(a, b.shape)
-        assert_same_numerics(f"{key} stable={stable} {inputs} {name}", a, b, t,
-                             min_within_ulp=0.999 if inputs == "random" else 0.0)
+    for where, (jnp_ex, flush) in refs.items():
+        for name, a, b, t in zip(("O", "dQ", "dK", "dV"), pallas, jnp_ex, terms):
+            chex.assert_type(a, BF16)
+            chex.assert_shape(a, b.shape)
+            assert_same_numerics(f"{key} stable={stable} {inputs} {name} vs jnp on {where}", a, b,
+                                 t, flush=flush)
     lse_p = jf.attention_with_lse(q, k, v, impl="pallas", **kw)[1]
     lse_j = on_cpu(lambda *a: jf.attention_with_lse(*a, impl="jnp", **kw)[1], q, k, v)
     # L = m + log ℓ: the same m; ℓ summed in another order (a few FP32 ulps) and the GPU's
@@ -175,7 +193,7 @@ def test_gpu_candidate_launches_change_no_value(name, call, launch):
     base, cand = run(q, k, v, do, **kw), run(q, k, v, do, launch=launch, **kw)
     terms = abs_terms(q, k, v, do, True, d ** -0.5)
     for what, a, b, t in zip(("O", "dQ", "dK", "dV"), base, cand, terms):
-        assert_same_numerics(f"{name} {what}", a, b, t, min_within_ulp=0.0)
+        assert_same_numerics(f"{name} {what}", a, b, t)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
