@@ -1,11 +1,13 @@
 """Tune the GPU kernels' launch on the GPU; write jax_flash/pallas/tuning.json.
 
-    python -m bench.tune [--shapes 32x1024x12x64,4x8192x16x128] [--policies fa2] [--reps 20]
-        [--budget-s 480] [--out jax_flash/pallas/tuning.json] [--log FILE.json]
+    python -m bench.tune [--shapes 32x1024x12x64,4x8192x16x128] [--policies fa2]
+        [--masks causal,full] [--reps 20] [--budget-s 480] [--out jax_flash/pallas/tuning.json]
+        [--log FILE.json]
 
 Only launch fields are searched (``jax_flash.Launch``: none of them changes a computed value); the
-tiles are the call's defaults (``jax_flash.plan``), since they are numerics. Per shape and policy
-(causal, bfloat16, stable off — the stable kernels are the same kernels):
+tiles are the call's defaults (``jax_flash.plan``), since they are numerics. Per shape, policy and
+mask (``--masks``: causal, full or both; bfloat16, stable off — the stable kernels are the same
+kernels):
 
 1. the forward, timed on the forward pass: each Triton ``(num_warps, num_stages)`` of ``LAUNCHES``
    without and with ``prefetch_scores``, and the Mosaic GPU forward where it covers the call (its
@@ -88,19 +90,20 @@ def table_entry(launch: jf.Launch, ms: float, device: str, arch: str | None,
     return entry
 
 
-def _pass_fn(policy: str, launch: jf.Launch, pss: str):
+def _pass_fn(policy: str, launch: jf.Launch, pss: str, causal: bool = True):
     """One candidate's jitted pass: attention with the call's default tiles under ``launch``."""
-    return _jax_pass(lambda q, k, v: jf.attention(q, k, v, policy=policy, impl="pallas",
-                                                  launch=launch), pss)
+    return _jax_pass(lambda q, k, v: jf.attention(q, k, v, policy=policy, causal=causal,
+                                                  impl="pallas", launch=launch), pss)
 
 
-def tune_one(shape, policy, reps, deadline, log):
+def tune_one(shape, policy, reps, deadline, log, causal=True):
     """((ms, launch) of the winner or None, every trial as a record) for one shape and policy."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
-    num = jf.plan(q, k, v, policy=policy, impl="pallas").numerics
-    case = dict(shape=list(shape), policy=policy, block_q=num.block_q, block_k=num.block_k)
-    name = f"{'x'.join(map(str, shape))} {policy}"
+    num = jf.plan(q, k, v, policy=policy, causal=causal, impl="pallas").numerics
+    case = dict(shape=list(shape), policy=policy, causal=causal, block_q=num.block_q,
+                block_k=num.block_k)
+    name = f"{'x'.join(map(str, shape))} {policy}{'' if causal else ' full'}"
     trials = []
 
     def ranked(candidates, pss):
@@ -110,8 +113,8 @@ def tune_one(shape, policy, reps, deadline, log):
             if time.time() > deadline:
                 break
             try:
-                jf.plan(q, k, v, policy=policy, impl="pallas", launch=launch)
-                ms = _timed(_pass_fn(policy, launch, pss), (q, k, v), reps)
+                jf.plan(q, k, v, policy=policy, causal=causal, impl="pallas", launch=launch)
+                ms = _timed(_pass_fn(policy, launch, pss, causal), (q, k, v), reps)
             except Exception as e:  # not covered, or does not compile: not a candidate
                 log(f"{name} {launch.to_dict()}: skipped ({type(e).__name__}: {str(e)[:120]})")
                 continue
@@ -127,7 +130,8 @@ def tune_one(shape, policy, reps, deadline, log):
     # the final rounds run even past the deadline: these few timings are the answer
     final = finalists([launch for _, launch in both[:FINALISTS]])
     per_round = {}
-    ms = timed_interleaved({i: _pass_fn(policy, launch, "fwd+bwd") for i, launch in enumerate(final)},
+    ms = timed_interleaved({i: _pass_fn(policy, launch, "fwd+bwd", causal)
+                            for i, launch in enumerate(final)},
                            (q, k, v), reps, ROUNDS, log=log, per_round=per_round)
     for i, t in ms.items():
         trials.append(dict(case, launch=final[i].to_dict(), **{"pass": "fwd+bwd"}, ms=t,
@@ -143,6 +147,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="32x1024x12x64,4x8192x16x128")
     ap.add_argument("--policies", default="fa2")
+    ap.add_argument("--masks", default="causal", help="causal, full, or causal,full")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--out", default=str(tuning.TABLE_PATH))
@@ -156,16 +161,19 @@ def main(argv=None):
     table = json.loads(out.read_text()) if out.exists() else {}
     device, arch = jax.devices()[0].device_kind, tuning.device_arch()
     all_trials = []
+    masks = args.masks.split(",")
+    if not masks or set(masks) - {"causal", "full"}:
+        raise SystemExit(f"--masks: causal, full or both, not {args.masks!r}")
     combos = list(itertools.product(
         [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
-        args.policies.split(",")))
-    for i, (shape, policy) in enumerate(combos):
+        args.policies.split(","), [m == "causal" for m in masks]))
+    for i, (shape, policy, causal) in enumerate(combos):
         # an equal share of what is left, so the first shape cannot starve the others
         deadline = time.time() + (start + args.budget_s - time.time()) / (len(combos) - i)
-        best, trials = tune_one(shape, policy, args.reps, deadline, print)
+        best, trials = tune_one(shape, policy, args.reps, deadline, print, causal)
         all_trials += trials
         if best:
-            key = tuning.key(policy, shape[3], shape[1], True)
+            key = tuning.key(policy, shape[3], shape[1], causal)
             table[key] = table_entry(best[1], best[0], device, arch, jax.__version__)
             print(f"best {key}: {table[key]}")
     out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

@@ -281,6 +281,11 @@ def test_tune_one_searches_launches_on_cpu(monkeypatch):
     assert ms == min(t["ms"] for t in finals) and launch.bwd == (4, 2)
     assert {"launch": launch.to_dict(), "ms": ms} in [{"launch": t["launch"], "ms": t["ms"]}
                                                       for t in finals]
+    # the same search without the causal mask: every trial records it, the winner as before
+    full, full_trials = tune.tune_one((1, 32, 1, 16), "fa2", 1, float("inf"), logged.append,
+                                      causal=False)
+    assert full is not None and all(t["causal"] is False for t in full_trials)
+    assert all(t["causal"] is True for t in trials)
 
 
 class _Candidate:
@@ -297,7 +302,8 @@ def test_tune_ranks_by_the_interleaved_rounds_not_by_one_shot(monkeypatch):
     """Scripted times: the backward candidate fastest in its one-shot timing loses to the one whose
     interleaved median is lowest; the forward's winner is carried into every backward candidate."""
     monkeypatch.setattr(tune, "LAUNCHES", [(4, 2), (8, 2)])
-    monkeypatch.setattr(tune, "_pass_fn", lambda policy, launch, pss: _Candidate(launch, pss))
+    monkeypatch.setattr(tune, "_pass_fn",
+                        lambda policy, launch, pss, causal=True: _Candidate(launch, pss))
     fast_fwd = jf.Launch(fwd=(8, 2), prefetch_scores=True)
     lucky = dataclasses.replace(fast_fwd, bwd=(4, 2))
     steady = dataclasses.replace(fast_fwd, bwd=(8, 2), prefetch_rows=True)
@@ -339,8 +345,8 @@ def test_tune_writes_launch_fields_only(monkeypatch, tmp_path):
     out, log = tmp_path / "tuning.json", tmp_path / "log.json"
     other = {"arch": "sm_90", "device": "Test GPU", "jax_version": "0.0", "ms": 2.0}
     out.write_text(json.dumps({"fa2/d64/t1024/causal": other}))
-    monkeypatch.setattr(tune, "tune_one", lambda shape, policy, reps, deadline, log: (
-        (1.5, launch), [{"shape": list(shape), "policy": policy}]))
+    monkeypatch.setattr(tune, "tune_one", lambda shape, policy, reps, deadline, log, causal: (
+        (1.5, launch), [{"shape": list(shape), "policy": policy, "causal": causal}]))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(tuning, "device_arch", lambda: "sm_90")
     tune.main(["--shapes", "4x8192x16x128", "--out", str(out), "--log", str(log)])
@@ -349,7 +355,14 @@ def test_tune_writes_launch_fields_only(monkeypatch, tmp_path):
     assert table["fa2/d64/t1024/causal"] == ("sm_90", jf.Launch())
     written = json.loads(out.read_text())["fa2/d128/t8192/causal"]
     assert set(written) - set(tuning.META_FIELDS) <= launch_fields and written["ms"] == 1.5
-    assert json.loads(log.read_text()) == [{"shape": [4, 8192, 16, 128], "policy": "fa2"}]
+    assert json.loads(log.read_text()) == [{"shape": [4, 8192, 16, 128], "policy": "fa2",
+                                            "causal": True}]
+    # --masks full: an entry of its own beside the causal one
+    tune.main(["--shapes", "4x8192x16x128", "--masks", "full", "--out", str(out), "--log", str(log)])
+    assert set(tuning.load(out)) == {"fa2/d64/t1024/causal", "fa2/d128/t8192/causal",
+                                     "fa2/d128/t8192/full"}
+    with pytest.raises(SystemExit, match="--masks"):
+        tune.main(["--masks", "diagonal", "--out", str(out), "--log", str(log)])
 
 
 def test_plot_series_and_png(tmp_path):
