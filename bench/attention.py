@@ -518,6 +518,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30, help="samples per implementation and case")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds they are spread over")
     ap.add_argument("--non-causal", action="store_true", help="also time causal=False")
+    ap.add_argument("--masks", default=None, choices=("causal", "full", "causal,full"),
+                    help="which masks to time (default causal; --non-causal: causal,full)")
     ap.add_argument("--sync", choices=("call", "round"), default="call",
                     help="call: wait for every call (each sample has the per-call host time in it); "
                          "round: dispatch a round's calls back to back, wait once (kernel throughput)")
@@ -571,7 +573,8 @@ def main(argv=None):
         print("wrote", out)
         return
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    modes = (True, False) if args.non_causal else (True,)
+    masks = args.masks or ("causal,full" if args.non_causal else "causal")
+    modes = tuple(m == "causal" for m in masks.split(","))
     records = run(shapes, args.reps, modes, rounds=args.rounds, sync=args.sync)
     mem = memory([int(t) for t in args.memory_lengths.split(",") if t])
     device = jax.devices()[0].device_kind.replace(" ", "_")
