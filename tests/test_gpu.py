@@ -16,7 +16,7 @@ import pytest
 
 import jax_flash as jf
 from jax_flash.pallas import tuning
-from helpers import (assert_add_layer_norm_is_the_pair, assert_gelu_erf_within_bound,
+from helpers import (TINY, assert_add_layer_norm_is_the_pair, assert_gelu_erf_within_bound,
                      assert_pallas_cross_entropy_within_bound,
                      fp32_cross_entropy_of_upcast, tied_inputs)
 
@@ -99,7 +99,7 @@ def cpu_flush_term(q, k, v, do):
     and sums) move a dS entry by under 2d·2⁻¹²⁶; over n terms: under 2⁻¹²⁶·n·(2 + (2d + 1)·M)."""
     n, d = q.shape[1], q.shape[-1]
     m = max(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (q, k, v, do))
-    return float(jnp.finfo(jnp.float32).tiny) * n * (2 + (2 * d + 1) * m)
+    return TINY * n * (2 + (2 * d + 1) * m)
 
 
 def assert_same_numerics(name, a, b, terms, flush=0.0):
