@@ -306,10 +306,10 @@ def paired_median(a_rounds, b_rounds, n_boot=10000, seed=0):
     return float(np.median(ratios)), (float(lo), float(hi))
 
 
-def _stable_extra(records, shape, pss):
+def _stable_extra(records, shape, pss, causal=True):
     """The stable kernel's extra time: paired by round where the records carry per-round times
     (median of the rounds' ratios, 90 % interval), else the ratio of the two medians."""
-    get = functools.partial(_record, records, shape, True, pss, "jax_flash", "fa2")
+    get = functools.partial(_record, records, shape, causal, pss, "jax_flash", "fa2")
     s, b = get(True), get(False)
     if not (s and b):
         return "—"
@@ -320,7 +320,8 @@ def _stable_extra(records, shape, pss):
 
 
 def targets(records):
-    """The speed targets as ratios within this run, per shape (causal): "fa2" fwd+bwd speed over cuDNN's
+    """The speed targets as ratios within this run, per shape and mask (rows without the causal mask
+    say so): "fa2" fwd+bwd speed over cuDNN's
     and over JAX's Pallas mha (and the forward's over cuDNN's), and the stable kernel's extra time over the baseline (fwd+bwd, fwd;
     paired by round with a 90 % interval where the records have per-round times)."""
     lines = ["\n### Targets (ratios within this run; speed ratio = other's ms / ours)",
@@ -328,15 +329,16 @@ def targets(records):
              "| stable extra time, fwd | fa2 vs PyTorch FA2, fwd+bwd | fa2 vs cuDNN, fwd |",
              "|---|---|---|---|---|---|---|"]
     fmt_x = lambda a, b: f"{a / b:.2f}×" if a and b else "—"
-    for shape in dict.fromkeys(tuple(r["shape"]) for r in records if r["causal"]):
-        ms = functools.partial(_ms, records, shape, True)
+    cases = dict.fromkeys((tuple(r["shape"]), r["causal"]) for r in records)
+    for shape, causal in sorted(cases, key=lambda c: not c[1]):  # the causal rows first
+        ms = functools.partial(_ms, records, shape, causal)
         fa2 = ms("fwd+bwd", "jax_flash", "fa2", False)
         lines.append("| " + " | ".join([
-            "×".join(map(str, shape)),
+            "×".join(map(str, shape)) + ("" if causal else ", no mask"),
             fmt_x(ms("fwd+bwd", "cudnn"), fa2),
             fmt_x(ms("fwd+bwd", "jax_pallas_mha"), fa2),
-            _stable_extra(records, shape, "fwd+bwd"),
-            _stable_extra(records, shape, "fwd"),
+            _stable_extra(records, shape, "fwd+bwd", causal),
+            _stable_extra(records, shape, "fwd", causal),
             fmt_x(ms("fwd+bwd", "torch_flash"), fa2),
             fmt_x(ms("fwd", "cudnn"), ms("fwd", "jax_flash", "fa2", False))]) + " |")
     lines.append("\nTargets: fa2 ≥ 1.0× cuDNN, forward and fwd+bwd, at every shape (≥ 1.05× fwd+bwd at "

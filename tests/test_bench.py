@@ -257,6 +257,11 @@ def test_targets_table_from_records(tmp_path):
     paired = [dict(r, rounds_ms=[2.0 * d * (1.03 if r["stable"] else 1.0) for d in drift])
               for r in recs[:2]] + recs[2:]
     assert "| +3.0 % (+3.0 … +3.0) |" in bench.targets(paired)
+    # the same records without the causal mask, after the causal ones: a row of their own
+    full = [dict(r, causal=False, ms=r["ms"] * (2.2 if r["stable"] else 2.0)) for r in recs]
+    rows = [line for line in bench.targets(full + recs).splitlines() if line.startswith("| 32")]
+    assert rows == ["| 32×1024×12×64 | 0.80× | 1.50× | +5.0 % | +50.0 % | — | 0.90× |",
+                    "| 32×1024×12×64, no mask | 0.80× | 1.50× | +15.5 % | +65.0 % | — | 0.90× |"]
 
 
 @pytest.mark.slow  # experiment tooling, 5–15 s: JAX_FLASH_SLOW=1 (make test-all)
