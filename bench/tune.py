@@ -6,8 +6,8 @@
 
 Only launch fields are searched (``jax_flash.Launch``: none of them changes a computed value); the
 tiles are the call's defaults (``jax_flash.plan``), since they are numerics. Per shape, policy and
-mask (``--masks``: causal, full or both; bfloat16, stable off — the stable kernels are the same
-kernels):
+mask (``--masks``: causal, full or both, the default; bfloat16, stable off — the stable kernels
+are the same kernels):
 
 1. the forward, timed on the forward pass: each Triton ``(num_warps, num_stages)`` of ``LAUNCHES``
    without and with ``prefetch_scores``, and the Mosaic GPU forward where it covers the call (its
@@ -147,7 +147,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="32x1024x12x64,4x8192x16x128")
     ap.add_argument("--policies", default="fa2")
-    ap.add_argument("--masks", default="causal", help="causal, full, or causal,full")
+    ap.add_argument("--masks", default="causal,full", help="causal, full, or causal,full")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--out", default=str(tuning.TABLE_PATH))

@@ -354,7 +354,8 @@ def test_tune_writes_launch_fields_only(monkeypatch, tmp_path):
         (1.5, launch), [{"shape": list(shape), "policy": policy, "causal": causal}]))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(tuning, "device_arch", lambda: "sm_90")
-    tune.main(["--shapes", "4x8192x16x128", "--out", str(out), "--log", str(log)])
+    tune.main(["--shapes", "4x8192x16x128", "--masks", "causal", "--out", str(out), "--log",
+               str(log)])
     table = tuning.load(out)
     assert table["fa2/d128/t8192/causal"] == ("sm_90", launch)
     assert table["fa2/d64/t1024/causal"] == ("sm_90", jf.Launch())
@@ -362,10 +363,11 @@ def test_tune_writes_launch_fields_only(monkeypatch, tmp_path):
     assert set(written) - set(tuning.META_FIELDS) <= launch_fields and written["ms"] == 1.5
     assert json.loads(log.read_text()) == [{"shape": [4, 8192, 16, 128], "policy": "fa2",
                                             "causal": True}]
-    # --masks full: an entry of its own beside the causal one
-    tune.main(["--shapes", "4x8192x16x128", "--masks", "full", "--out", str(out), "--log", str(log)])
+    # by default both masks: an entry without the mask beside the causal one
+    tune.main(["--shapes", "4x8192x16x128", "--out", str(out), "--log", str(log)])
     assert set(tuning.load(out)) == {"fa2/d64/t1024/causal", "fa2/d128/t8192/causal",
                                      "fa2/d128/t8192/full"}
+    assert [r["causal"] for r in json.loads(log.read_text())] == [True, False]
     with pytest.raises(SystemExit, match="--masks"):
         tune.main(["--masks", "diagonal", "--out", str(out), "--log", str(log)])
 
