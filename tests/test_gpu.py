@@ -95,11 +95,12 @@ def cpu_flush_term(q, k, v, do):
     """What XLA:CPU's flushing of FP32 subnormals can move an output element by. The CPU flushes
     every subnormal operand and result to zero, the GPU keeps them; each flushed value is below
     2⁻¹²⁶. A flushed P̄ or dS entry moves its term by under 2⁻¹²⁶·M (M the largest input
-    magnitude), a flushed product or partial sum by under 2⁻¹²⁶, the flushes inside dP (d products
-    and sums) move a dS entry by under 2d·2⁻¹²⁶; over n terms: under 2⁻¹²⁶·n·(2 + (2d + 1)·M)."""
+    magnitude), a flushed product or partial sum by under 2⁻¹²⁶, the flushes inside dP and δ (d
+    products and d partial sums each) move a dS entry by under 4d·2⁻¹²⁶ (P ≤ 1); over n terms:
+    under 2⁻¹²⁶·n·(2 + (4d + 1)·M)."""
     n, d = q.shape[1], q.shape[-1]
     m = max(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (q, k, v, do))
-    return TINY * n * (2 + (2 * d + 1) * m)
+    return TINY * n * (2 + (4 * d + 1) * m)
 
 
 def assert_same_numerics(name, a, b, terms, flush=0.0):
@@ -109,8 +110,9 @@ def assert_same_numerics(name, a, b, terms, flush=0.0):
     summation order inside products differ in last FP32 bits, which can flip a BF16 rounding of P̄
     or dS. Where an output is a cancellation of much larger terms, one such flip is many ulps of
     the output. The share within one BF16 ulp is printed, not asserted: it is a statistic of the
-    two summation orders, below 99.9 % at head_dim 128 for any two orders of the jnp executor's
-    own products (``python -m lab.product_order``), where the bound is derived."""
+    two summation orders, below 99.9 % at head_dim 128 already between the jnp executor and itself
+    with its products summed in another order (``python -m lab.product_order``); the bound is
+    derived."""
     a, b, terms = (np.asarray(x, np.float64) for x in (a, b, terms))
     mag = np.maximum(np.abs(a), np.abs(b))
     ulp = EPS_BF16 * 2.0 ** np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
