@@ -311,7 +311,7 @@ def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
 def dkdv_scratch(d, dtype, stages):
     """The dK/dV kernel's compiled shared-memory scratch with a Q/dO ring of ``stages``."""
     plgpu = mosaic_common.plgpu()
-    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    layout = mosaic_common.swizzled()
     return (
         plgpu.SMEM((stages, Q_TILE, d), dtype, transforms=layout),  # Q ring
         plgpu.SMEM((stages, Q_TILE, d), dtype, transforms=layout),  # dO ring
@@ -332,7 +332,7 @@ def dkdv_scratch(d, dtype, stages):
 def dq_scratch(d, dtype, stages):
     """The dQ kernel's compiled shared-memory scratch with a K/V ring of ``stages``."""
     plgpu = mosaic_common.plgpu()
-    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    layout = mosaic_common.swizzled()
     rows = (COMPUTE_WGS, KEYS_PER_WG)
     return (
         plgpu.SMEM((*rows, d), dtype, transforms=layout),  # Q, then dQ
@@ -365,7 +365,7 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     nq = t // Q_TILE
-    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    layout = mosaic_common.swizzled()
     stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n), stages, STAGES[d],
                                        nq, "dK/dV")
     scratch = dkdv_scratch(d, q.dtype, stages)
@@ -522,7 +522,7 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     nk = t // DQ_KEY_TILE
-    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    layout = mosaic_common.swizzled()
     rows = (COMPUTE_WGS, KEYS_PER_WG)
     stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n), stages, STAGES[d], nk,
                                        "dQ")

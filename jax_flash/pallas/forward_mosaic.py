@@ -193,8 +193,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 def forward_scratch(bk, d, dtype, stages):
     """The forward's compiled shared-memory scratch: a K/V ring of ``stages`` tiles of ``bk`` keys."""
     plgpu = mosaic_common.plgpu()
-    # 128-byte swizzle: one 64-element bf16 row of a tile per swizzle period, as wgmma reads it
-    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    layout = mosaic_common.swizzled()
     return (
         plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), dtype, transforms=layout),  # Q, then O
         plgpu.SMEM((stages, bk, d), dtype, transforms=layout),
@@ -226,7 +225,7 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     nk = t // bk
     if nk < 2:
         raise ValueError(f"the Mosaic GPU forward needs ≥ 2 key tiles, got {nk}")
-    layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    layout = mosaic_common.swizzled()
     stages = mosaic_common.ring_stages(lambda n: forward_scratch(bk, d, q.dtype, n), stages,
                                        STAGES[bk], nk, "forward", least=2)
     scratch = forward_scratch(bk, d, q.dtype, stages)

@@ -24,6 +24,13 @@ def plgpu():
     return mosaic_gpu
 
 
+def swizzled():
+    """The shared-memory transforms of every 16-bit operand tile of the Mosaic kernels: a
+    128-byte swizzle, one 64-element bf16 row of a tile per swizzle period, as wgmma reads it."""
+    gpu = plgpu()
+    return gpu.TilingTransform((8, 64)), gpu.SwizzleTransform(128)
+
+
 def unavailable() -> str | None:
     """Why the Mosaic GPU kernels cannot run on this machine (None: they can): they are written
     against jax 0.11's ``plgpu`` API and compiled for Hopper only."""
