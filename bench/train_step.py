@@ -403,6 +403,12 @@ def run_all(args) -> dict:
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1e9")
         (Path(env["JAX_COMPILATION_CACHE_DIR"]) / "xla_gpu_per_fusion_autotune_cache_dir").mkdir(
             parents=True, exist_ok=True)
+    monitor = None
+    if args.smi:
+        from bench.step_timing import GpuMonitor
+
+        monitor = GpuMonitor()
+        result["power_limit_w"] = monitor.power_limit_w
     previous = signal.signal(signal.SIGTERM, _stop)
     t_begin = _clock()
     took: dict[str, list[float]] = {"jax": [], "torch": [], "profile": []}
@@ -477,6 +483,8 @@ def run_all(args) -> dict:
                     result["versions"].setdefault(k, v)
                 result["device"] = result["device"] or run.get("device")
                 derive(run, fpt, result["peak_flops"])
+                if monitor is not None and monitor.available and run.get("phases_wall_s"):
+                    run["gpu"] = {k: monitor.summary(*w) for k, w in run["phases_wall_s"].items()}
                 if kind == "torch" and run.get("n_params_non_embedding") != result["n_params_non_embedding"]:
                     run["warning"] = "nanoGPT's parameter count differs from ours"
                 if run.get("profile"):
@@ -503,6 +511,8 @@ def run_all(args) -> dict:
     finally:
         signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(work, ignore_errors=True)
+        if monitor is not None:
+            monitor.close()
     result["total_s"] = _clock() - t_begin
     save()
     print(markdown(result), flush=True)
@@ -607,6 +617,24 @@ def markdown(result: dict | list) -> str:
                      f"({s['q1']:.2f}–{s['q3']:.2f}) | {fmt(r.get('back_to_back_ms'), '.2f')} | "
                      f"{fmt(r.get('mfu'), '.3f')} | {fmt(mem, '.1f')} | {fmt(r.get('compile_s'), '.0f')} | "
                      f"{fmt(r.get('vs_nanogpt'), '.3f')} |")
+    gpu = [r for r in result["runs"] if r.get("status") == "ok" and r.get("gpu")]
+    if gpu:
+        limit = result.get("power_limit_w")
+        lines += ["", "The GPU while each run's steps were timed (nvidia-smi every 100 ms; waited / "
+                  f"back to back; power limit {fmt(limit, '.0f')} W):", "",
+                  "| arm | micro-batch | samples | SM MHz median | SM MHz min | W median | W max | "
+                  "°C max | power-capped | thermal |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+        def pair(r, key, f):
+            return " / ".join(fmt((r["gpu"].get(k) or {}).get(key), f)
+                              for k in ("waited", "back_to_back"))
+
+        for r in gpu:
+            lines.append(f"| {r['arm']} | {r['batch']} | {pair(r, 'samples', 'd')} | "
+                         f"{pair(r, 'sm_mhz_median', '.0f')} | {pair(r, 'sm_mhz_min', '.0f')} | "
+                         f"{pair(r, 'power_w_median', '.0f')} | {pair(r, 'power_w_max', '.0f')} | "
+                         f"{pair(r, 'temp_c_max', '.0f')} | {pair(r, 'power_cap_share', '.0%')} | "
+                         f"{pair(r, 'thermal_share', '.0%')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -642,6 +670,8 @@ def main(argv=None):
                     help="no persistent JAX compilation cache shared by the runs")
     ap.add_argument("--log-lines", type=int, default=20,
                     help="last lines of each run's log to print (of a failed run's: at least 200)")
+    ap.add_argument("--no-smi", dest="smi", action="store_false",
+                    help="do not sample the GPU's clock and power (nvidia-smi, every 100 ms)")
     ap.add_argument("--out", default="train_step.json")
     ap.add_argument("--from-json", default=None, metavar="FILE", help="print FILE's table (no GPU)")
     ap.add_argument("--regroup", default=None, metavar="DIR",

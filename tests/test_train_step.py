@@ -103,6 +103,48 @@ def test_timing_loop_on_a_simulated_device():
     assert dev.i == 10
 
 
+def test_timing_loop_reports_its_phases_wall_clock_bounds():
+    dev = SimulatedDevice(0.5, [1.0] * 6)
+    walls = iter([100.0, 200.0, 300.0])
+    got = step_timing.time_steps(dev.step, dev.sync, warmup=2, steps=2, clock=dev.clock,
+                                 wall=lambda: next(walls))
+    assert got["phases_wall_s"] == {"waited": [100.0, 200.0], "back_to_back": [200.0, 300.0]}
+
+
+def test_gpu_samples_summarised_over_a_window(monkeypatch):
+    """Samples inside [t0, t1] only; the event-reason bits 0x4 (power cap) and 0x20/0x40
+    (thermal) counted as shares; rows that do not parse left out."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    mon = step_timing.GpuMonitor()
+    assert not mon.available and mon.summary(0, 1) is None
+    mon.samples = [(0.5, ["1980", "300.1", "40", "0x0000000000000000"]),
+                   (1.0, ["1755", "699.0", "52", "0x0000000000000004"]),
+                   (1.5, ["1830", "650.0", "55", "0x0000000000000024"]),
+                   (1.7, ["[N/A]", "650.0", "55", "0x0"]),
+                   (2.0, ["1800", "640.0", "54", "0x0000000000000000"]),
+                   (2.5, ["1980", "200.0", "41", "0x0000000000000004"])]
+    got = mon.summary(1.0, 2.0)
+    assert got == {"samples": 3, "sm_mhz_median": 1800.0, "sm_mhz_min": 1755.0,
+                   "power_w_median": 650.0, "power_w_max": 699.0, "temp_c_max": 55.0,
+                   "power_cap_share": pytest.approx(2 / 3), "thermal_share": pytest.approx(1 / 3)}
+    mon.close()
+
+
+def test_clock_and_power_table_when_runs_have_samples():
+    one = {"samples": 10, "sm_mhz_median": 1755.0, "sm_mhz_min": 1650.0, "power_w_median": 690.0,
+           "power_w_max": 700.0, "temp_c_max": 60.0, "power_cap_share": 0.9, "thermal_share": 0.0}
+    run = {"arm": "fa2-stable", "batch": 16, "status": "ok", "tokens_per_s": 1.0,
+           "step_ms": {"median": 1.0, "q1": 1.0, "q3": 1.0}, "back_to_back_ms": 1.0,
+           "gpu": {"waited": one, "back_to_back": dict(one, sm_mhz_median=1710.0)}}
+    table = ts.markdown({"device": "NVIDIA H200", "seq_len": 1024, "steps": 30, "warmup": 5,
+                         "command": "c", "runs": [run], "power_limit_w": 700.0})
+    assert "power limit 700 W" in table
+    assert ("| fa2-stable | 16 | 10 / 10 | 1755 / 1710 | 1650 / 1650 | 690 / 690 | 700 / 700 | "
+            "60 / 60 | 90% / 90% | 0% / 0% |") in table
+
+
 def test_git_tree_is_the_commit_tree_exactly_when_the_files_are_the_commits(tmp_path):
     """``git_tree``: a copied checkout whose HEAD is stale still names the files it ran."""
     git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
