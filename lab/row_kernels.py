@@ -10,8 +10,7 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
   ``sub``, rows a step of its loop; ``warps``; ``stages``, Triton's pipeline depth);
 - ``ce-fwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, and the statistics and
   gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
-  ``rows``, ``chunk``, ``warps``, ``stages``; ``target``, ``gather`` or ``select``, how the
-  target's logit is read; ``evict``, 1 for the L2 hints of ``loss_kernels.EVICT``);
+  ``rows``, ``chunk``, ``warps``, ``stages``);
 - ``gelu-fwd``, ``gelu-bwd``: ``models.gelu_kernels`` (the erf-form GELU and its input
   gradient) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``warps``; elementwise: no value changes);
 - ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
@@ -19,7 +18,7 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
   ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its gradient.
 Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub`` and ``warps`` change the
 order of FP32 sums (the reduction tree follows the layout), so a kernel's constant is chosen by
-such a run and then fixed; ``stages``, ``target`` and ``evict`` do not change a value.
+such a run and then fixed; ``stages`` does not change a value.
 
 Each round times every variant ``--reps`` calls back to back, then waits; a variant's figure is the
 median over rounds, with the bytes it must move (each input read and each output written once)
@@ -117,8 +116,7 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
     logits, targets = cached(f"ce{vocab}", lambda: (
         jax.random.normal(k1, (tokens, vocab), jnp.bfloat16) * 3,
         jax.random.randint(k2, (tokens,), 0, vocab)))
-    launch = {k: v for k, v in kw.items()
-              if k in ("rows", "chunk", "warps", "stages", "target", "evict")}
+    launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages")}
     n_bytes = tokens * vocab * 2
     if kind == "ce-fwd":
         return jax.jit(functools.partial(lk.row_stats, **launch)), (logits, targets), n_bytes

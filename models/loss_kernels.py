@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_flash.pallas.common import interpret_mode as _interpret
 from models.layernorm import row_call
 
 # one row a program in one warp, a chunk 32 FP32 registers a thread: the fastest of the launches
@@ -38,8 +37,6 @@ BLOCK_ROWS = 1
 CHUNK = 1024  # columns per step of the vocabulary loop
 NUM_WARPS = 1
 NUM_STAGES = 2
-TARGET = "gather"  # the target's logit read alone ("select": picked out of every chunk)
-EVICT = False  # L2 hints: the statistics' reads kept, the gradient's re-reads evicted first
 F32 = jnp.float32
 
 
@@ -82,55 +79,36 @@ def _safe(m):
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def _load(ref, idx, evict: str | None):
-    """``ref[idx]``, with an L2 eviction hint when compiled for Triton (``evict``: Triton's
-    ``"evict_last"`` / ``"evict_first"``; a cache hint changes no value)."""
-    if evict is None or _interpret():
-        return ref[idx]
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.load(ref.at[idx], eviction_policy=evict)
-
-
 def _target_logits(x_ref, t):
     """Each row's logit at its target, one gathered element a row (``t``: the rows' targets)."""
     return x_ref[lax.broadcasted_iota(jnp.int32, t.shape, 0), t].astype(jnp.float32)
 
 
-def _stats(x_ref, t, *, v: int, chunk: int, target: str = TARGET, evict: bool = EVICT):
+def _stats(x_ref, t, *, v: int, chunk: int):
     """(shift, sum of exp(x − shift), target's logit) of the program's rows, in one read: the
-    running max and sum a row, rescaled once per chunk after the chunk's max. ``target``:
-    ``"gather"`` reads the target's logit alone, ``"select"`` picks it out of each chunk
-    (the same value: a sum of zeros and the logit)."""
-    hint = "evict_last" if evict else None
-
+    running max and sum a row, rescaled once per chunk after the chunk's max; the target's logit
+    read alone (picking it out of every chunk cost a compare and a select per logit: 23 % of the
+    statistics kernel's time, lab.row_kernels)."""
     def step(start, w, carry):
-        m, s, tgt = carry
-        x = _load(x_ref, (slice(None), pl.ds(start, w)), hint).astype(jnp.float32)
+        m, s = carry
+        x = x_ref[:, pl.ds(start, w)].astype(jnp.float32)
         m_new = jnp.maximum(m, jnp.max(x, axis=1))
         shift = _safe(m_new)
         s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[:, None]), axis=1)
-        if target == "select":
-            cols = lax.broadcasted_iota(jnp.int32, x.shape, 1) + start
-            tgt = tgt + jnp.sum(jnp.where(cols == t[:, None], x, 0.0), axis=1)
-        return m_new, s, tgt
+        return m_new, s
 
-    zero = jnp.zeros(t.shape, F32)
-    m, s, tgt = _walk(v, chunk, step, (jnp.full(t.shape, -jnp.inf, F32), zero, zero))
-    if target == "gather":
-        tgt = _target_logits(x_ref, t)
-    return _safe(m), s, tgt
+    m, s = _walk(v, chunk, step, (jnp.full(t.shape, -jnp.inf, F32), jnp.zeros(t.shape, F32)))
+    return _safe(m), s, _target_logits(x_ref, t)
 
 
-def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int, evict: bool = EVICT):
+def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int):
     """dx = exp(x − m)·g/s − g·[target], each row's cotangent ``g``, in dx's dtype, the columns
     walked back from the row's end (elementwise: the same values in any order)."""
     scale = g / s  # the cotangent of each row's log-sum-exp over its sum
-    hint = "evict_first" if evict else None
 
     def step(start, w, carry):
         cols = pl.ds(start, w)
-        x = _load(x_ref, (slice(None), cols), hint).astype(jnp.float32)
+        x = x_ref[:, cols].astype(jnp.float32)
         hit = lax.broadcasted_iota(jnp.int32, x.shape, 1) == (t - start)[:, None]
         dx = jnp.exp(x - m[:, None]) * scale[:, None] - jnp.where(hit, g[:, None], 0.0)
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
@@ -139,26 +117,22 @@ def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int, evict: bool = EVICT)
     _walk_back(v, chunk, step, 0)
 
 
-def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int, target: str,
-                evict: bool):
-    m_ref[...], s_ref[...], tgt_ref[...] = _stats(x_ref, t_ref[...], v=v, chunk=chunk,
-                                                  target=target, evict=False)
+def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int):
+    m_ref[...], s_ref[...], tgt_ref[...] = _stats(x_ref, t_ref[...], v=v, chunk=chunk)
 
 
-def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: int, chunk: int,
-                     target: str, evict: bool):
+def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: int, chunk: int):
     t = t_ref[...]
-    m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk, target=target, evict=evict)
+    m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk)
     m_ref[...], s_ref[...], tgt_ref[...] = m, s, tgt
-    _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk, evict=evict)
+    _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk)
 
 
 def _call(kernel, x2, ins, outs, name, *args, rows=BLOCK_ROWS, chunk=CHUNK, warps=NUM_WARPS,
-          stages=NUM_STAGES, target=TARGET, evict=EVICT):
+          stages=NUM_STAGES):
     n, v = x2.shape
-    body = functools.partial(kernel, v=v, chunk=chunk, target=target, evict=bool(evict))
-    return row_call(body, n, v, ins, outs, name, *args, rows=rows, num_warps=warps,
-                    num_stages=stages)
+    return row_call(functools.partial(kernel, v=v, chunk=chunk), n, v, ins, outs, name, *args,
+                    rows=rows, num_warps=warps, num_stages=stages)
 
 
 def _flat(logits, targets):
