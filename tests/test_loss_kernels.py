@@ -55,6 +55,17 @@ def test_training_forward_is_the_statistics_kernel_and_scales_its_gradient():
     assert np.all(np.abs(np.asarray(g2, np.float64) - want) <= half_ulp(want, x.dtype) + flush)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_target_logit_is_the_logit_at_any_rows_per_program(rows):
+    """The kernels read each row's target logit alone (one gathered element a row): exactly the
+    logit, in both kernels, whichever row of a program's block it sits in."""
+    x, t = _logits(7, 16, 1000, jnp.bfloat16)
+    want = jnp.asarray(np.asarray(x, np.float32)[np.arange(16), np.asarray(t)])
+    g = jnp.full((16,), 1.0 / 16, jnp.float32)
+    chex.assert_trees_all_equal(lk.row_stats(x, t, rows=rows)[2], want)
+    chex.assert_trees_all_equal(lk.row_stats_and_grad(x, t, g, rows=rows)[2], want)
+
+
 def test_pieces_cover_the_vocabulary():
     """The walk's chunk widths are powers of two that add up to the vocabulary, largest first."""
     for v in (1, 7, 128, 1000, 1024, 50257, 50304):
