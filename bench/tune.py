@@ -25,8 +25,8 @@ A candidate the plan refuses (a Mosaic GPU kernel that does not cover the call) 
 compile (e.g. shared memory) is skipped and logged. The winner is merged into the table under
 ``tuning.key(...)`` with where it was measured (``device``, ``arch``, ``jax_version``) and its ``ms``
 (fwd+bwd); the table then applies on GPUs of that architecture. Resident blocks (``bwd_block``,
-``dq_block``) and a dQ launch of its own are not searched: compare such candidates with ``python -m
-lab.ab`` first.
+``dq_block``), ``heavy_first`` and a dQ launch of its own are not searched: compare such candidates
+with ``python -m lab.ab`` first.
 """
 
 from __future__ import annotations

@@ -138,6 +138,9 @@ class Launch:
     dq_block: int | None = None  # queries a dQ program keeps resident
     prefetch_rows: bool = False  # dK/dV kernel: the next query block's L and δ a loop step ahead
     prefetch_scores: bool = False  # forward: the next key tile's scores before this tile's softmax
+    # Triton forward and dQ kernels: programs take the query blocks last first, so under a causal
+    # mask the longest start first and the short ones fill the last wave (the Mosaic kernels always do)
+    heavy_first: bool = False
     # depth of the Mosaic kernels' shared-memory rings (forward: K/V tiles; backward: the streamed
     # Q/dO and K/V tiles); None: the kernels' per-shape defaults. Only how far loads run ahead.
     mosaic_fwd_stages: int | None = None
@@ -164,8 +167,9 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        if type(self.mosaic_bwd_overlap) is not bool:
-            raise ValueError(f"mosaic_bwd_overlap must be a bool, got {self.mosaic_bwd_overlap!r}")
+        for name in ("mosaic_bwd_overlap", "heavy_first"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:
             check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
         for name in ("bwd_block", "dq_block"):

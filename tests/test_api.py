@@ -481,6 +481,7 @@ def test_scores_of_1e4(rng, assert_close, impl, policy):
 
 @pytest.mark.parametrize("shape,kw,impl", [
     ((1, 32, 2, 32), {"stable": True}, "pallas"),
+    ((1, 32, 2, 32), {"block_q": 16, "block_k": 16, "launch": {"heavy_first": True}}, "pallas"),
     pytest.param((1, 32, 3, 32), {"delta": "dpp", "policy": "paper", "causal": False}, "pallas",
                  marks=pytest.mark.slow),
     ((1, 40, 2, 24), {}, "pallas"),  # neither a whole number of tiles nor a kernel head_dim: sliced

@@ -44,25 +44,28 @@ LAUNCH_FAST = [("fa2", True, (16, 16), {"bwd_block": 32}),
                ("fa2", True, (16, 16), {"bwd_block": 32, "dq_block": 16}),
                ("fa2", True, (16, 16), {"prefetch_rows": True}),
                ("fa2", True, (16, 32), {"prefetch_rows": True, "split_diagonal": True}),
-               ("fa2", True, (32, 16), {"split_diagonal": True})]
+               ("fa2", True, (32, 16), {"split_diagonal": True}),
+               ("fa2", True, (16, 16), {"heavy_first": True, "dq_block": 32})]
 LAUNCH_ALL = [(p, c, t, launch) for p in ("fa2", "paper", "fp32") for c in (True, False)
               for t in ((16, 16), (32, 16), (16, 32))
               for launch in ({"split_diagonal": True}, {"bwd_block": 2 * max(t)},
                              {"bwd_block": 2 * max(t), "split_diagonal": True},
                              {"dq_block": 2 * max(t)}, {"prefetch_rows": True},
-                             {"prefetch_rows": True, "bwd_block": 2 * max(t)})]
+                             {"prefetch_rows": True, "bwd_block": 2 * max(t)},
+                             {"heavy_first": True})]
 
 
 # the default subset: every launch feature at least once, in combination (bwd_block with
 # split_diagonal and with dq_block, prefetching with split_diagonal), "paper", non-causal, dpp
-CASES_FAST = [(*LAUNCH_FAST[i], "o") for i in (1, 2, 3, 5, 7)] + [(*LAUNCH_FAST[7], "dpp")]
+CASES_FAST = [(*LAUNCH_FAST[i], "o") for i in (1, 2, 3, 5, 7, 9)] + [(*LAUNCH_FAST[7], "dpp")]
 CASES_ALL = [(*c, d) for c in LAUNCH_FAST + LAUNCH_ALL for d in ("o", "dpp")]
 
 
 @pytest.mark.parametrize("policy,causal,tiles,launch,delta", default_and_slow(CASES_FAST, CASES_ALL))
 def test_launch_changes_no_gradient(rng, assert_close, policy, causal, tiles, launch, delta):
     """Resident blocks (dK/dV programs keeping ``bwd_block`` keys, dQ programs ``dq_block`` queries,
-    over the same streamed tiles), mask-free loops and the prefetched L, δ rows: on tied rows under
+    over the same streamed tiles), mask-free loops, the prefetched L, δ rows and dQ programs taking
+    the query blocks last first: on tied rows under
     the stable shift with a kv tail (T = 50), δ from O and from dP∘P, dQ, dK, dV as the jnp
     executor's."""
     q, k, v = tied_inputs(rng, (1, 50, 1, 32))

@@ -23,21 +23,23 @@ from .. import tile
 from ..spec import Launch, Numerics
 from . import backward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body, resident_block
-from .forward import at_slot, kv_head, kv_loop, length_specs, read_lengths, unpacked_shape
+from .forward import (at_slot, kv_head, kv_loop, length_specs, query_block, read_lengths,
+                      unpacked_shape)
 
 
 # Grids are (block, batch, head): the block index varies fastest, so the programs running at once
 # mostly share one (batch, head) and its full-length operands stay in L2 (as in JAX's Pallas mha).
-def _row_spec(b_rows):
-    return pl.BlockSpec((None, None, b_rows), lambda i, b, hh: (b, hh, i))
+def _row_spec(b_rows, order=lambda i: i):
+    return pl.BlockSpec((None, None, b_rows), lambda i, b, hh: (b, hh, order(i)))
 
 
 def _full_rows_spec(t):
     return pl.BlockSpec((None, None, t), lambda i, b, hh: (b, hh, 0))
 
 
-def _block_spec(b_rows, d):
-    return pl.BlockSpec((None, b_rows, None, d), lambda i, b, hh: (b, i, hh, 0))
+def _block_spec(b_rows, d, order=lambda i: i):
+    """Block ``order(i)`` of rows of a ``[B, T, H, D]`` array for program (i, b, hh)."""
+    return pl.BlockSpec((None, b_rows, None, d), lambda i, b, hh: (b, order(i), hh, 0))
 
 
 def _full_spec(t, d, groups=1):
@@ -51,9 +53,9 @@ def _group_spec(t, d, groups):
     return pl.BlockSpec((None, t, groups, d), lambda i, b, hh: (b, 0, hh, 0))
 
 
-def _slots_spec(b_rows, d):
+def _slots_spec(b_rows, d, order=lambda i: i):
     """A block of rows of all three slots of a packed ``[B, T, 3, H, D]`` array: [rows, 3, D]."""
-    return pl.BlockSpec((None, b_rows, 3, None, d), lambda i, b, hh: (b, i, 0, hh, 0))
+    return pl.BlockSpec((None, b_rows, 3, None, d), lambda i, b, hh: (b, order(i), 0, hh, 0))
 
 
 def _into_slots(kernel, slots):
@@ -81,7 +83,7 @@ def _delta_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, *refs, cfg: Numerics, la
                   nk: int):
     lengths, (out_ref,) = read_lengths(cfg, refs)
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
-    i = pl.program_id(0)
+    i = query_block(pl.program_id(0), pl.num_programs(0), launch.heavy_first)
     q = q_ref[...].astype(pol.operand_dtype)
     do = do_ref[...].astype(pol.operand_dtype)
     lse = lse_ref[...]
@@ -181,7 +183,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: Nume
                launch: Launch, nk: int):
     lengths, (dq_ref,) = read_lengths(cfg, refs)
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
-    i = pl.program_id(0)
+    i = query_block(pl.program_id(0), pl.num_programs(0), launch.heavy_first)
     q = q_ref[...].astype(pol.operand_dtype)
     do = do_ref[...].astype(pol.operand_dtype)
     lse, dlt = lse_ref[...], delta_ref[...]
@@ -224,13 +226,15 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
     # the plan checked that Mosaic kernels cover the call; a packed call runs the Triton ones
     mosaic = launch.bwd_kernel in ("mosaic", "mosaic_dkdv") and not packed
     dkdv_ins = [_group_spec(tq, d, g), _block_spec(bk, d), _block_spec(bk, d)]
-    dq_ins = [_block_spec(bq, d), _full_spec(tk, d, g), _full_spec(tk, d, g)]
+    qi = functools.partial(query_block, n=tq // bq, heavy_first=launch.heavy_first)
+    dq_ins = [_block_spec(bq, d, qi), _full_spec(tk, d, g), _full_spec(tk, d, g)]
     if packed:
         dkdv_ins = [at_slot(spec, slot) for slot, spec in enumerate(dkdv_ins)]
         dq_ins = [at_slot(spec, slot) for slot, spec in enumerate(dq_ins)]
     dkdv_ins += [_group_spec(tq, d, g), _group_rows_spec(tq, g), _group_rows_spec(tq, g),
                  *length_specs(cfg, 1)]
-    dq_ins += [_block_spec(bq, d), _row_spec(bq), _row_spec(bq), *length_specs(cfg, 1)]
+    dq_ins += [_block_spec(bq, d, qi), _row_spec(bq, qi), _row_spec(bq, qi),
+               *length_specs(cfg, 1)]
     dkdv_kernel = functools.partial(_dkdv_kernel, cfg=dkdv_cfg, launch=launch, nq=nq)
     dq_kernel = functools.partial(_dq_kernel, cfg=dq_cfg, launch=launch, nk=tk // cfg.block_k)
     operands = (q, k, v, do, lse, dlt, *lens)
@@ -244,8 +248,8 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
         )(*operands)
         return pl.pallas_call(  # dQ into slot 0 of the same buffer
             functools.partial(_into_slots(dq_kernel, (0,)), n_in=len(operands)),
-            grid=(tq // bq, bsz, h), in_specs=[*dq_ins, _slots_spec(bq, d)],
-            out_specs=_slots_spec(bq, d), out_shape=out,
+            grid=(tq // bq, bsz, h), in_specs=[*dq_ins, _slots_spec(bq, d, qi)],
+            out_specs=_slots_spec(bq, d, qi), out_shape=out,
             input_output_aliases={len(operands): 0}, interpret=interpret_mode(),
             compiler_params=dq_params, name=_name("dq", cfg),
         )(*operands, dqkv)
@@ -275,7 +279,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
             dq_kernel,
             grid=(tq // bq, bsz, h),
             in_specs=dq_ins,
-            out_specs=_block_spec(bq, d),
+            out_specs=_block_spec(bq, d, qi),
             out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
             interpret=interpret_mode(),
             compiler_params=dq_params,
