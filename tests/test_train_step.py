@@ -132,6 +132,32 @@ def test_gpu_samples_summarised_over_a_window(monkeypatch):
     mon.close()
 
 
+def test_gpu_monitor_reads_a_running_nvidia_smi(tmp_path, monkeypatch):
+    """Through a stand-in ``nvidia-smi`` on PATH: the power limit from its one-shot query, then its
+    looping query read line by line in the background, each line stamped as it arrives; close
+    stops it."""
+    import time
+
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text("#!/bin/sh\n"
+                   "case \"$*\" in *power.limit*) echo 700.00; exit 0;; esac\n"
+                   "while true; do echo '1755, 690.5, 55, 0x0000000000000004'; sleep 0.02; done\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    t0 = time.time()
+    mon = step_timing.GpuMonitor(interval_ms=20)
+    try:
+        assert mon.available and mon.power_limit_w == 700.0
+        deadline = time.time() + 10
+        while len(mon.samples) < 3 and time.time() < deadline:
+            time.sleep(0.02)
+        got = mon.summary(t0, time.time())
+    finally:
+        mon.close()
+    assert got["samples"] >= 3 and got["sm_mhz_median"] == 1755.0 and got["power_cap_share"] == 1.0
+    assert mon.proc.poll() is not None  # stopped
+
+
 def test_clock_and_power_table_when_runs_have_samples():
     one = {"samples": 10, "sm_mhz_median": 1755.0, "sm_mhz_min": 1650.0, "power_w_median": 690.0,
            "power_w_max": 700.0, "temp_c_max": 60.0, "power_cap_share": 0.9, "thermal_share": 0.0}
