@@ -63,18 +63,19 @@ def _replaced(names: dict):
             setattr(tile, n, f)
 
 
-def compiled_forward(part: str, q, k, v, impl="pallas"):
-    """The forward of one diagnostic form, compiled now (traced with its part of tile.py replaced)."""
-    stable, names = PARTS[part]
+def compiled_forward(part: str, q, k, v, impl="pallas", parts=None):
+    """The forward of one diagnostic form of ``parts`` (default ``PARTS``), compiled now (traced
+    with its part of tile.py replaced)."""
+    stable, names = (parts or PARTS)[part]
     f = jax.jit(lambda q, k, v: jf.attention(q, k, v, stable=stable, impl=impl))
     with _replaced(names):
         return f.lower(q, k, v).compile()
 
 
-def run(shape, rounds, reps, sync="round", impl="pallas", log=print):
+def run(shape, rounds, reps, sync="round", impl="pallas", log=print, parts=None):
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
-    fns = {part: compiled_forward(part, q, k, v, impl) for part in PARTS}
+    fns = {part: compiled_forward(part, q, k, v, impl, parts) for part in (parts or PARTS)}
     per_round = {}
     ms = timed_interleaved(fns, (q, k, v), reps, rounds, sync=sync, per_round=per_round, log=log)
     return [dict(variant=part, shape=list(shape), causal=True, **{"pass": "fwd"}, ms=ms[part],
@@ -82,8 +83,9 @@ def run(shape, rounds, reps, sync="round", impl="pallas", log=print):
                  device=jax.devices()[0].device_kind) for part in ms]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, parts=None, doc=None):
+    ap = argparse.ArgumentParser(description=doc or __doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="32x1024x12x64")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--reps", type=int, default=6)
@@ -92,7 +94,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x"))
-    records = run(shape, args.rounds, args.reps, args.sync, args.impl)
+    records = run(shape, args.rounds, args.reps, args.sync, args.impl, parts=parts)
     base = next(r["ms"] for r in records if r["variant"] == "base")
     for r in records:
         print(f"{r['variant']:>14}: {r['ms']:.4f} ms  ×{r['ms'] / base:.3f} of base")
