@@ -6,7 +6,8 @@
 # Everything lands under $OUT (at most 8 files come back from the device machine).
 # Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step] [dropin]   (default: tests bench)
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET, DROPIN_TIMEOUT (seconds);
-#      SHAPES and BENCH_ARGS (more bench.attention arguments, e.g. --non-causal) for the benchmark;
+#      SHAPES and BENCH_ARGS (bench.attention's timing and mask arguments; default "--sync round
+#      --non-causal", the table of record's: calls back to back, each shape with and without the mask);
 #      STEP_ARMS, STEP_BATCH, STEP_PRIMARY (fa2-stable) for the step (bench.train_step --arms,
 #      --batch, --primary); STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as
 #      profile-compare.md and profile.tgz), STEP_PROFILE_STEPS (--profile-steps, 3);
@@ -33,9 +34,10 @@ if [[ " $parts " == *" tests "* ]]; then
   echo "gpu tests: exit $r"; tail -3 "$OUT/gpu-tests.log"
 fi
 if [[ " $parts " == *" bench "* ]]; then
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m bench.attention \
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m bench.attention \
     --shapes "${SHAPES:-32x1024x12x64,8x2048x16x128,4x8192x16x128}" --reps 30 --rounds 5 \
-    ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
+    ${BENCH_ARGS---sync round --non-causal} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  r=$?; [ $r -ne 0 ] && rc=$r
   echo "bench: exit $r"; tail -12 "$OUT/bench.log"
 fi
 if [[ " $parts " == *" step "* ]]; then
