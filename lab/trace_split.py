@@ -129,26 +129,30 @@ def halves(rows: list[dict]) -> tuple[dict, dict]:
 def smi_summary(path: str, busy_watts: float = 300.0) -> dict:
     """Over the samples of an nvidia-smi CSV log drawing more than ``busy_watts``: their count, the
     median and minimum SM clock (MHz), the median and maximum power (W), and the fraction with the
-    software power cap (throttle/event reason bit 0x4) active."""
+    software power cap (throttle/event reason bit 0x4) active (``bench.step_timing.summarize_smi``,
+    which ``bench.train_step`` applies to its own samples)."""
     import csv
+
+    from bench.step_timing import summarize_smi
 
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         rows = [[c.strip() for c in r] for r in csv.reader(f)]
     head, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
-    col = lambda test: next(i for i, h in enumerate(head) if test(h))
-    # nvidia-smi names the clocks.sm column "clocks.current.sm [MHz]"
+    col = lambda test: next((i for i, h in enumerate(head) if test(h)), None)
+    # nvidia-smi names the clocks.sm column "clocks.current.sm [MHz]"; values carry their units
     sm = col(lambda h: h.startswith("clocks.") and h.split(" ")[0].endswith(".sm"))
     pw, why = col(lambda h: h.startswith("power.draw")), col(lambda h: "reasons.active" in h)
-    num = lambda x: float(x.split()[0])
-    busy = [r for r in body if num(r[pw]) > busy_watts]
-    if not busy:
+    temp = col(lambda h: h.startswith("temperature.gpu"))
+    num = lambda r, i: "nan" if i is None else r[i].split()[0]
+    busy = [[num(r, sm), num(r, pw), num(r, temp), r[why]] for r in body
+            if float(num(r, pw)) > busy_watts]
+    got = summarize_smi(busy)
+    if got is None:
         return {"samples": len(body), "busy": 0}
-    clocks, watts = [num(r[sm]) for r in busy], [num(r[pw]) for r in busy]
-    capped = sum(1 for r in busy if int(r[why], 16) & 0x4)
-    return {"samples": len(body), "busy": len(busy), "sm_mhz_median": statistics.median(clocks),
-            "sm_mhz_min": min(clocks), "power_w_median": statistics.median(watts),
-            "power_w_max": max(watts), "power_cap_fraction": capped / len(busy)}
+    return {"samples": len(body), "busy": got["samples"],
+            **{k: got[k] for k in ("sm_mhz_median", "sm_mhz_min", "power_w_median", "power_w_max")},
+            "power_cap_fraction": got["power_cap_share"]}
 
 
 # ----------------------------------------------------------------------------- op families of a step
