@@ -107,14 +107,15 @@ def delta(q, k, v, o, do, lse, cfg: Numerics, launch: Launch, lengths=None, pack
     tk = k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     g = cfg.groups
-    qkv = [_block_spec(bq, d), _full_spec(tk, d, g), _full_spec(tk, d, g)]
+    qi = functools.partial(query_block, n=tq // bq, heavy_first=launch.heavy_first)
+    qkv = [_block_spec(bq, d, qi), _full_spec(tk, d, g), _full_spec(tk, d, g)]
     if packed:
         qkv = [at_slot(spec, slot) for slot, spec in enumerate(qkv)]
     return pl.pallas_call(
         functools.partial(_delta_kernel, cfg=cfg, launch=launch, nk=tk // bk),
         grid=(tq // bq, bsz, h),
-        in_specs=[*qkv, _block_spec(bq, d), _row_spec(bq), *length_specs(cfg, 1)],
-        out_specs=_row_spec(bq),
+        in_specs=[*qkv, _block_spec(bq, d, qi), _row_spec(bq, qi), *length_specs(cfg, 1)],
+        out_specs=_row_spec(bq, qi),
         out_shape=jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32),
         interpret=interpret_mode(),
         compiler_params=compiler_params(launch.bwd, d, bq, bk, backward=True,
