@@ -138,8 +138,9 @@ class Launch:
     dq_block: int | None = None  # queries a dQ program keeps resident
     prefetch_rows: bool = False  # dK/dV kernel: the next query block's L and δ a loop step ahead
     prefetch_scores: bool = False  # forward: the next key tile's scores before this tile's softmax
-    # Triton forward, δ (dP∘P) and dQ kernels: programs take the query blocks last first, so under
-    # a causal mask the longest start first and the short ones fill the last wave (as Mosaic's do)
+    # Triton δ (dP∘P) and dQ kernels: programs take the query blocks last first, so under a causal
+    # mask the longest start first and the short ones fill the last wave (the forward's own order
+    # timed faster at head_dim 64, so it keeps it)
     heavy_first: bool = False
     # depth of the Mosaic kernels' shared-memory rings (forward: K/V tiles; backward: the streamed
     # Q/dO and K/V tiles); None: the kernels' per-shape defaults. Only how far loads run ahead.

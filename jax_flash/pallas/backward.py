@@ -23,8 +23,14 @@ from .. import tile
 from ..spec import Launch, Numerics
 from . import backward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body, resident_block
-from .forward import (at_slot, kv_head, kv_loop, length_specs, query_block, read_lengths,
-                      unpacked_shape)
+from .forward import at_slot, kv_head, kv_loop, length_specs, read_lengths, unpacked_shape
+
+
+def query_block(i, n, heavy_first: bool):
+    """The query block of program ``i`` of ``n`` along the grid's first axis: the last first when
+    ``heavy_first`` (``Launch.heavy_first``), else the i-th. Which program owns a block changes no
+    value."""
+    return n - 1 - i if heavy_first else i
 
 
 # Grids are (block, batch, head): the block index varies fastest, so the programs running at once

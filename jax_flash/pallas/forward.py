@@ -50,13 +50,6 @@ def kv_loop(i, cfg: Numerics, nk: int, body, init, split_diagonal: bool = False,
     return lax.fori_loop(full_hi, hi, masked, carry)
 
 
-def query_block(i, n, heavy_first: bool):
-    """The query block of program ``i`` of ``n`` along the grid's first axis: the last first when
-    ``heavy_first`` (``Launch.heavy_first``), else the i-th. Which program owns a block changes no
-    value."""
-    return n - 1 - i if heavy_first else i
-
-
 def kv_head(hh, groups: int):
     """The key/value head of query head ``hh`` (an index map's grid index)."""
     return hh if groups == 1 else hh // groups
@@ -97,7 +90,7 @@ def length_specs(cfg: Numerics, batch_axis: int):
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: Numerics, launch: Launch, nk: int):
     lengths, (o_ref, lse_ref) = read_lengths(cfg, refs)
     pol, bq, bk = cfg.policy, cfg.block_q, cfg.block_k
-    i = query_block(pl.program_id(0), pl.num_programs(0), launch.heavy_first)
+    i = pl.program_id(0)
     q = q_ref[...].astype(pol.operand_dtype)
     d = q.shape[-1]
 
@@ -143,8 +136,7 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None, pa
     # grid (query block, batch, head): the query block varies fastest, so the programs in flight
     # mostly read one (batch, head)'s K and V, which then stay in L2 (as in JAX's Pallas mha); a
     # group's query heads read their key/value head's K and V (head // groups), never a copy
-    qi = functools.partial(query_block, n=nq, heavy_first=launch.heavy_first)
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b, hh: (b, qi(i), hh, 0))
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b, hh: (b, i, hh, 0))
     kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, b, hh: (b, 0, kv_head(hh, g), 0))
     in_specs = [q_spec, kv_spec, kv_spec]
     if packed:
@@ -153,7 +145,7 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None, pa
         kernel,
         grid=(nq, bsz, h),
         in_specs=[*in_specs, *length_specs(cfg, 1)],
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, hh: (b, hh, qi(i)))],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, hh: (b, hh, i))],
         out_shape=[jax.ShapeDtypeStruct((bsz, tq, h, d), o_dtype),
                    jax.ShapeDtypeStruct((bsz, h, tq), jnp.float32)],
         interpret=interpret_mode(),
