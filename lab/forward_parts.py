@@ -9,7 +9,7 @@ traced — not shippable, the values are wrong by construction.
 * ``no exp``: the exponentials replaced by their arguments (the MUFU work gone, the rest kept);
 * ``no P·V``: the second product replaced by zeros (V no longer read; Triton kernel only: the
   Mosaic forward issues its own wgmma);
-* ``no Q·Kᵀ``: the scores replaced by a broadcast of Q's first column (K no longer read).
+* ``no Q·Kᵀ``: the scores replaced by a broadcast of each row's sum of Q (K no longer read).
 
 A form's time against ``base`` bounds what its part costs where the others overlap it; ``python
 -m lab.ab ratio FILE --variant V --base base`` pairs them by round. Timing and records as
@@ -32,7 +32,9 @@ def _no_pv(p, v, pol):
 
 
 def _no_qk(q, k, cfg, bias=None):
-    return jnp.broadcast_to(q[:, :1].astype(jnp.float32), (q.shape[0], k.shape[0]))
+    # a row reduction, not a slice: Pallas' Triton lowering has no slice
+    row = jnp.sum(q.astype(jnp.float32), axis=1, keepdims=True)
+    return jnp.broadcast_to(row, (q.shape[0], k.shape[0]))
 
 
 FORMS = {"base": (False, {}), "stable": (True, {}),
