@@ -357,6 +357,20 @@ def test_gpu_mosaic_bwd_regs_change_no_bit(shape, overlap):
     chex.assert_trees_all_equal(f((240, 24)), f(None))
 
 
+@pytest.mark.parametrize("stable", [False, True])
+@pytest.mark.parametrize("dpp", [False, True], ids=["o", "dpp"])
+def test_gpu_heavy_first_changes_no_bit(stable, dpp):
+    """``Launch.heavy_first`` only reverses which program takes which query block in the Triton δ
+    (dP∘P) and dQ kernels: O, dQ, dK, dV bitwise those of the plain order, causal, on tied rows."""
+    shape = (2, 1024, 4, 64)
+    q, k, v = tied_qkv(70, shape)
+    do = randn(74, shape)
+    base = {"bwd": (4, 3), "prefetch_rows": True}
+    f = lambda hf: run(q, k, v, do, impl="pallas", causal=True, stable=stable,
+                       delta="dpp" if dpp else "o", launch={**base, "heavy_first": hf})
+    chex.assert_trees_all_equal(f(True), f(False))
+
+
 def test_gpu_explicit_mosaic_launch_that_cannot_run_raises():
     """Asked for explicitly, a Mosaic kernel that does not cover the call (T padded to 1088 rows,
     not a multiple of 128) raises; chosen by the table, the call runs the Triton kernel (``plan``
