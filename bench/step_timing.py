@@ -39,7 +39,9 @@ def time_steps(step: Callable, sync: Callable, *, warmup: int, steps: int,
     """``warmup`` steps, then ``steps`` steps each waited for (a sample each: dispatch to done), then
     ``steps`` more dispatched back to back and waited for once (the host's dispatch hidden behind the
     device, as in a training loop that never waits). Times in ms; ``first_ms`` is the first warm-up
-    step's (for a lazily compiling framework, the compilation). ``phases_wall_s``: the wall-clock
+    step's (for a lazily compiling framework, the compilation). ``call_ms``: the median time a
+    waited step's call took to return, the host's share of it where the framework launches before
+    returning (JAX's dispatch of its arguments and outputs). ``phases_wall_s``: the wall-clock
     (``time.time``) bounds of the waited and the back-to-back steps, for ``GpuMonitor.summary``."""
     first = None
     for i in range(warmup):
@@ -47,11 +49,13 @@ def time_steps(step: Callable, sync: Callable, *, warmup: int, steps: int,
         sync(step())
         if i == 0:
             first = (clock() - t0) * 1e3
-    samples = []
+    samples, calls = [], []
     w0 = wall()
     for _ in range(steps):
         t0 = clock()
-        sync(step())
+        handle = step()
+        calls.append((clock() - t0) * 1e3)
+        sync(handle)
         samples.append((clock() - t0) * 1e3)
     w1 = wall()
     t0 = clock()
@@ -61,7 +65,7 @@ def time_steps(step: Callable, sync: Callable, *, warmup: int, steps: int,
     sync(handle)
     back_to_back = (clock() - t0) * 1e3 / steps if steps else None
     return {"step_ms": spread(samples), "step_times_ms": samples, "back_to_back_ms": back_to_back,
-            "first_ms": first, "phases_wall_s": {"waited": [w0, w1], "back_to_back": [w1, wall()]}}
+            "call_ms": float(np.median(calls)) if calls else None, "first_ms": first, "phases_wall_s": {"waited": [w0, w1], "back_to_back": [w1, wall()]}}
 
 
 # ----------------------------------------------------------------------------- clocks and power

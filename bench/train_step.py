@@ -523,9 +523,11 @@ def _line(r: dict) -> str:
     s = r["step_ms"]
     mfu = f"MFU {r['mfu']:.3f}" if r.get("mfu") is not None else "MFU —"
     mem = f"{r['peak_memory_bytes'] / 2**30:.1f} GiB" if r.get("peak_memory_bytes") else "— GiB"
+    call = f"{r['call_ms']:.2f}" if r.get("call_ms") is not None else "—"
     return (f"[{r['arm']} b{r['batch']}] {r['tokens_per_s']:,.0f} tokens/s  {s['median']:.2f} ms/step "
             f"(q1 {s['q1']:.2f}, q3 {s['q3']:.2f}, range {s['min']:.2f}–{s['max']:.2f})  back to back "
-            f"{r['back_to_back_ms']:.2f} ms  {mfu}  peak {mem}  compile {r.get('compile_s') or 0:.0f} s")
+            f"{r['back_to_back_ms']:.2f} ms  call returns {call} ms  {mfu}  "
+            f"peak {mem}  compile {r.get('compile_s') or 0:.0f} s")
 
 
 def profile_dir(args, arm: str) -> str:

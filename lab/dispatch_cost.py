@@ -3,8 +3,8 @@ or 300 arrays, each step an elementwise update of every array (and optionally a 
 products to keep the device busy), timed as ``bench.train_step`` times a training step: each step
 waited for, then steps dispatched back to back.
 
-    python -m lab.dispatch_cost [--arrays 3,30,300] [--mib 512] [--matmuls 0,100] [--steps 30]
-        [--out FILE.json]
+    python -m lab.dispatch_cost [--arrays 3,30,300] [--mib 512] [--matmuls 0,100]
+        [--modes donated,kept,read] [--steps 30] [--out FILE.json]
 
 A waited step pays the host's work before the device starts (flattening the arguments, the
 runtime's per-buffer bookkeeping, a CUDA graph's update); back to back hides it behind the previous
@@ -35,7 +35,13 @@ def make_state(n: int, mib: float, matmul_dim: int, seed: int = 0):
     return {"arrays": arrays, "mat": mat}, int(elems.sum())
 
 
-def make_step(matmuls: int):
+MODES = ("donated", "kept", "read")
+
+
+def make_step(matmuls: int, mode: str = "donated"):
+    """``donated``: the state updated and returned, its buffers donated (a training step);
+    ``kept``: the same without donation (every output a new buffer); ``read``: every array read,
+    only the scalar returned (the arguments' cost without the outputs')."""
     import jax
     import jax.numpy as jnp
 
@@ -46,12 +52,17 @@ def make_step(matmuls: int):
             x = jnp.tanh(x @ m)
         new = {k: a * 0.999 + 1e-3 for k, a in state["arrays"].items()}
         metric = jnp.sum(x.astype(jnp.float32)) + sum(a[0] for a in new.values())
+        if mode == "read":
+            return state, metric
         return {"arrays": new, "mat": m}, metric
 
-    return jax.jit(step, donate_argnums=0)
+    if mode == "read":
+        return jax.jit(lambda s: step(s)[1])
+    return jax.jit(step, donate_argnums=0 if mode == "donated" else ())
 
 
-def measure(n: int, mib: float, matmuls: int, steps: int, warmup: int, matmul_dim: int) -> dict:
+def measure(n: int, mib: float, matmuls: int, steps: int, warmup: int, matmul_dim: int,
+            mode: str = "donated") -> dict:
     import time
 
     import jax
@@ -59,14 +70,17 @@ def measure(n: int, mib: float, matmuls: int, steps: int, warmup: int, matmul_di
     from bench.step_timing import time_steps
 
     state, elems = make_state(n, mib, matmul_dim)
-    compiled = make_step(matmuls).lower(state).compile()
+    compiled = make_step(matmuls, mode).lower(state).compile()
     held = {"state": state}
     del state
     dispatch = []
 
     def step():
         t0 = time.perf_counter()
-        held["state"], metric = compiled(held["state"])
+        if mode == "read":
+            metric = compiled(held["state"])
+        else:
+            held["state"], metric = compiled(held["state"])
         dispatch.append((time.perf_counter() - t0) * 1e3)
         return metric
 
@@ -75,7 +89,7 @@ def measure(n: int, mib: float, matmuls: int, steps: int, warmup: int, matmul_di
     b2b = timing["back_to_back_ms"]
     # the calls' own return times: the waited steps' (after the warm-up), then the back-to-back ones
     d_waited = dispatch[warmup:warmup + steps]
-    return {"arrays": n, "elements": elems, "matmuls": matmuls, "waited_ms": waited,
+    return {"mode": mode, "arrays": n, "elements": elems, "matmuls": matmuls, "waited_ms": waited,
             "back_to_back_ms": b2b, "waited_minus_b2b_ms": waited - b2b,
             "call_return_ms_waited": float(np.median(d_waited)),
             "call_return_ms_b2b": float(np.median(dispatch[warmup + steps:]))}
@@ -87,6 +101,7 @@ def main(argv=None):
     ap.add_argument("--mib", type=float, default=512.0)
     ap.add_argument("--matmuls", default="0,100", help="products a step (device work, 4096²)")
     ap.add_argument("--matmul-dim", type=int, default=4096)
+    ap.add_argument("--modes", default="donated", help=f"comma-separated, of {MODES}")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out")
@@ -95,14 +110,18 @@ def main(argv=None):
     import jaxlib
 
     rows = []
-    for mm in (int(x) for x in args.matmuls.split(",")):
-        for n in (int(x) for x in args.arrays.split(",")):
-            r = measure(n, args.mib, mm, args.steps, args.warmup, args.matmul_dim)
-            rows.append(r)
-            print(f"matmuls {mm:4d} arrays {n:4d}: waited {r['waited_ms']:8.3f} ms, back to back "
-                  f"{r['back_to_back_ms']:8.3f}, difference {r['waited_minus_b2b_ms']:7.3f}; "
-                  f"call returns after {r['call_return_ms_waited']:.3f} ms (waited), "
-                  f"{r['call_return_ms_b2b']:.3f} (back to back)", flush=True)
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        ap.error(f"--modes: expected some of {MODES}, got {args.modes!r}")
+    cases = [(md, mm, n) for md in modes for mm in (int(x) for x in args.matmuls.split(","))
+             for n in (int(x) for x in args.arrays.split(","))]
+    for mode, mm, n in cases:
+        r = measure(n, args.mib, mm, args.steps, args.warmup, args.matmul_dim, mode)
+        rows.append(r)
+        print(f"{mode:7s} matmuls {mm:4d} arrays {n:4d}: waited {r['waited_ms']:8.3f} ms, "
+              f"back to back {r['back_to_back_ms']:8.3f}, difference {r['waited_minus_b2b_ms']:7.3f}; "
+              f"call returns after {r['call_return_ms_waited']:.3f} ms (waited), "
+              f"{r['call_return_ms_b2b']:.3f} (back to back)", flush=True)
     if args.out:
         meta = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
                 "device": jax.devices()[0].device_kind, "argv": sys.argv[1:] if argv is None

@@ -100,6 +100,7 @@ def test_timing_loop_on_a_simulated_device():
     assert (got["step_ms"]["min"], got["step_ms"]["max"]) == pytest.approx((10.5, 13.5))
     assert (got["step_ms"]["q1"], got["step_ms"]["q3"]) == pytest.approx((11.25, 12.75))
     assert got["back_to_back_ms"] == pytest.approx((0.5 + sum(timed)) / 4)
+    assert got["call_ms"] == pytest.approx(0.5)  # the call returns once dispatched
     assert dev.i == 10
 
 

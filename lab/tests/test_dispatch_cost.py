@@ -1,5 +1,5 @@
-"""lab.dispatch_cost on the CPU: the state holds the bytes asked for in the arrays asked for, a step
-updates every array in place of the donated ones, and a run writes one row per (products, arrays)."""
+"""lab.dispatch_cost on the CPU: the state holds the bytes asked for in the arrays asked for, a
+step updates every array in place of the donated ones, and a run writes a row per case."""
 
 import json
 
@@ -28,11 +28,20 @@ def test_step_updates_every_array():
     assert hlo.count("tf.aliasing_output") >= len(new["arrays"])
 
 
+def test_modes_return_what_they_say():
+    state, _ = dispatch_cost.make_state(3, 0.01, 8)
+    assert np.ndim(dispatch_cost.make_step(0, "read")(state)) == 0
+    new, _ = dispatch_cost.make_step(0, "kept")(state)
+    assert not any(a.is_deleted() for a in state["arrays"].values())  # not donated
+    assert new["arrays"].keys() == state["arrays"].keys()
+
+
 def test_run_writes_a_row_per_case(tmp_path):
     out = tmp_path / "dc.json"
     rows = dispatch_cost.main(["--arrays", "2,4", "--mib", "0.01", "--matmuls", "0,1",
                                "--matmul-dim", "8", "--steps", "2", "--warmup", "1",
-                               "--out", str(out)])
-    assert [(r["matmuls"], r["arrays"]) for r in rows] == [(0, 2), (0, 4), (1, 2), (1, 4)]
+                               "--modes", "donated,read", "--out", str(out)])
+    assert [(r["mode"], r["matmuls"], r["arrays"]) for r in rows] == [
+        (m, mm, n) for m in ("donated", "read") for mm in (0, 1) for n in (2, 4)]
     saved = json.loads(out.read_text())
     assert saved["rows"] == rows and saved["meta"]["device"]
