@@ -65,7 +65,8 @@ def time_steps(step: Callable, sync: Callable, *, warmup: int, steps: int,
     sync(handle)
     back_to_back = (clock() - t0) * 1e3 / steps if steps else None
     return {"step_ms": spread(samples), "step_times_ms": samples, "back_to_back_ms": back_to_back,
-            "call_ms": float(np.median(calls)) if calls else None, "first_ms": first, "phases_wall_s": {"waited": [w0, w1], "back_to_back": [w1, wall()]}}
+            "call_ms": float(np.median(calls)) if calls else None,
+            "first_ms": first, "phases_wall_s": {"waited": [w0, w1], "back_to_back": [w1, wall()]}}
 
 
 # ----------------------------------------------------------------------------- clocks and power

@@ -119,7 +119,8 @@ def main(argv=None):
         r = measure(n, args.mib, mm, args.steps, args.warmup, args.matmul_dim, mode)
         rows.append(r)
         print(f"{mode:7s} matmuls {mm:4d} arrays {n:4d}: waited {r['waited_ms']:8.3f} ms, "
-              f"back to back {r['back_to_back_ms']:8.3f}, difference {r['waited_minus_b2b_ms']:7.3f}; "
+              f"back to back {r['back_to_back_ms']:8.3f}, "
+              f"difference {r['waited_minus_b2b_ms']:7.3f}; "
               f"call returns after {r['call_return_ms_waited']:.3f} ms (waited), "
               f"{r['call_return_ms_b2b']:.3f} (back to back)", flush=True)
     if args.out:

@@ -73,8 +73,8 @@ LAUNCH_DEFAULT = [LAUNCH_FAST[i] for i in (1, 3, 4, 5)]
                          default_and_slow(LAUNCH_DEFAULT, LAUNCH_FAST + LAUNCH_ALL))
 def test_launch_changes_no_value(rng, assert_close, policy, causal, tiles, launch):
     """``Launch.split_diagonal`` (mask-free loops over the tiles below the causal diagonal and inside
-    kv_len), and ``Launch.prefetch_scores`` (the next key tile's scores a loop step ahead): on tied rows under the stable shift,
-    with a kv tail (T = 50), O and L as the jnp executor's."""
+    kv_len) and ``Launch.prefetch_scores`` (the next key tile's scores a loop step ahead): on tied
+    rows under the stable shift, with a kv tail (T = 50), O and L as the jnp executor's."""
     q, k, v = tied_inputs(rng, (1, 50, 1, 32))
     compare_forward(assert_close, q, k, v, launch=launch, policy=policy, causal=causal, stable=True,
                     block_q=tiles[0], block_k=tiles[1])
