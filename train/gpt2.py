@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.gpt2 import GPT, GPTConfig, count_params, cross_entropy
 from train import config as config_lib
+from train import stacked
 from train.checkpoint import CheckpointError, CheckpointStore, code_version
 from train.config import TrainConfig
 
@@ -183,7 +184,9 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     else:
         raise ValueError(f"unknown optimizer {o.name!r} (adamw, muon)")
     if o.clip:
-        tx = optax.chain(optax.clip_by_global_norm(o.clip), tx)
+        # stacked parameters: the norm over the leaves as the tree has them (the same bits)
+        clip = stacked.clip_by_global_norm if o.stack_params else optax.clip_by_global_norm
+        tx = optax.chain(clip(o.clip), tx)
     return tx, schedule
 
 
@@ -207,6 +210,10 @@ def nudge_params(params, replicate: int):
 
 
 def init_state(cfg: TrainConfig, params, tx) -> dict:
+    """The state a step takes: params (``stacked.Stacked`` with ``optim.stack_params``), the
+    optimizer's state of them, the step count and the rng key."""
+    if cfg.optim.stack_params:
+        params = stacked.stack(params)
     return {
         "step": jnp.zeros((), jnp.int32),
         "params": params,
@@ -219,7 +226,7 @@ def init_state(cfg: TrainConfig, params, tx) -> dict:
 
 
 def loss_fn(params, graphdef, x, y):
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, stacked.view(params))
     return cross_entropy(model(x), y, model.config.cross_entropy)
 
 
@@ -264,7 +271,12 @@ def train_step(state: dict, batch, *, graphdef, tx, schedule, mesh=None):
             loss = loss / n
         return grads, loss
 
-    grads, loss = per_device(grads_and_loss, mesh)(params, x, y)
+    # stacked params: the gradient of the leaves as the model sees them, accumulated as on the
+    # tree, then stacked for the optimizer (train/stacked.py)
+    grads, loss = per_device(grads_and_loss, mesh)(stacked.view(params), x, y)
+    grad_norm = optax.tree.norm(grads)
+    if isinstance(params, stacked.Stacked):
+        grads = stacked.stack(grads, params.layout)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = {
         "step": state["step"] + 1,
@@ -272,7 +284,7 @@ def train_step(state: dict, batch, *, graphdef, tx, schedule, mesh=None):
         "opt_state": opt_state,
         "rng": jax.random.split(state["rng"])[0],
     }
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
     return new_state, metrics
 
 
@@ -606,7 +618,7 @@ def train(
                 extra["val_loss"] = float(eval_fn(state["params"], eval_data))
                 status["last_val"] = extra["val_loss"]
             if do_probe:
-                probe_model = nnx.merge(graphdef, state["params"])
+                probe_model = nnx.merge(graphdef, stacked.view(state["params"]))
                 for probe in probes:
                     extra.update(probe(step, probe_model, (x[0], y[0])) or {})
             record(step, m, extra, done_at)
