@@ -532,3 +532,14 @@ def test_gpu_cross_entropy_of_bf16_logits_is_autodiffs():
     got = jax.jit(jax.value_and_grad(gpt2.cross_entropy))(logits, targets)
     want = jax.jit(jax.value_and_grad(fp32_cross_entropy_of_upcast))(logits, targets)
     chex.assert_trees_all_equal(got, want)
+
+
+@pytest.mark.parametrize("clip", [100.0, 1e-3], ids=["clip-idle", "clip-cutting"])
+def test_gpu_stack_params_keeps_the_tree_steps_numerics(clip):
+    """``optim.stack_params`` where XLA's GPU compiler decides which products it contracts into
+    FMAs: the micro model's first step bitwise the tree layout's, a later step from the same state
+    within ``tests/test_stacked.py``'s derived bounds."""
+    import test_stacked
+
+    test_stacked.test_first_step_is_the_tree_steps_bits(clip, clip < 1)
+    test_stacked.test_a_later_step_within_one_contraction_of_the_tree_step(clip, clip < 1)
