@@ -61,6 +61,18 @@ def make_step(matmuls: int, mode: str = "donated"):
     return jax.jit(step, donate_argnums=0 if mode == "donated" else ())
 
 
+def count_entry_ops(hlo: str) -> dict:
+    """Fusions and custom calls of the optimized HLO's entry computation (each a kernel launch on
+    a GPU), and all its instructions."""
+    entry = hlo[hlo.index("\nENTRY "):] if "\nENTRY " in hlo else hlo
+    body = entry[entry.index("{") + 1:]
+    body = body[:body.index("\n}")] if "\n}" in body else body
+    lines = [line for line in body.splitlines() if " = " in line]
+    return {"entry_fusions": sum(" fusion(" in line for line in lines),
+            "entry_custom_calls": sum(" custom-call(" in line for line in lines),
+            "entry_instructions": len(lines)}
+
+
 def measure(n: int, mib: float, matmuls: int, steps: int, warmup: int, matmul_dim: int,
             mode: str = "donated") -> dict:
     import time
@@ -71,6 +83,8 @@ def measure(n: int, mib: float, matmuls: int, steps: int, warmup: int, matmul_di
 
     state, elems = make_state(n, mib, matmul_dim)
     compiled = make_step(matmuls, mode).lower(state).compile()
+    # the device program's size: with the arrays may go kernels (and CUDA-graph nodes to update)
+    kernels = count_entry_ops(compiled.as_text())
     held = {"state": state}
     del state
     dispatch = []
@@ -89,7 +103,8 @@ def measure(n: int, mib: float, matmuls: int, steps: int, warmup: int, matmul_di
     b2b = timing["back_to_back_ms"]
     # the calls' own return times: the waited steps' (after the warm-up), then the back-to-back ones
     d_waited = dispatch[warmup:warmup + steps]
-    return {"mode": mode, "arrays": n, "elements": elems, "matmuls": matmuls, "waited_ms": waited,
+    return {"mode": mode, "arrays": n, "elements": elems, "matmuls": matmuls, **kernels,
+            "waited_ms": waited,
             "back_to_back_ms": b2b, "waited_minus_b2b_ms": waited - b2b,
             "call_return_ms_waited": float(np.median(d_waited)),
             "call_return_ms_b2b": float(np.median(dispatch[warmup + steps:]))}
@@ -118,7 +133,7 @@ def main(argv=None):
     for mode, mm, n in cases:
         r = measure(n, args.mib, mm, args.steps, args.warmup, args.matmul_dim, mode)
         rows.append(r)
-        print(f"{mode:7s} matmuls {mm:4d} arrays {n:4d}: waited {r['waited_ms']:8.3f} ms, "
+        print(f"{mode:7s} matmuls {mm:4d} arrays {n:4d} ({r['entry_fusions']} fusions): waited {r['waited_ms']:8.3f} ms, "
               f"back to back {r['back_to_back_ms']:8.3f}, "
               f"difference {r['waited_minus_b2b_ms']:7.3f}; "
               f"call returns after {r['call_return_ms_waited']:.3f} ms (waited), "

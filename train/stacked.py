@@ -1,10 +1,11 @@
 """Parameters held as one array per (shape, dtype): ``optim.stack_params``.
 
-A jitted step pays the host a few microseconds for every array it takes and returns (the runtime's
-bookkeeping of each argument and output) before the device starts on it. GPT-2 small's state is
-about 300 arrays — 99 parameters, their two Adam moments, counters — and a step waited for pays
-over a millisecond for them. Stacked, the same numbers are 6 parameter arrays (every leaf of a
-shape stacked along a new first axis, in the tree's order) and about 20 in all.
+A jitted call pays the host for every array it takes and returns (parsing each argument, creating
+each output) before and after the device's work; a step waited for cannot hide it. GPT-2 small's
+state is 301 arrays — 99 parameters, their two Adam moments, counters — for which the host trace
+of one H200 step shows 0.16 ms parsing and 0.15 ms creating outputs a call. Stacked, the same
+numbers are 6 parameter arrays (every leaf of a shape stacked along a new first axis, in the
+tree's order) and 22 in all.
 
 The formulas are the same element by element: the model sees each leaf as a slice of its stack
 (``view``); the step takes the gradient of those leaves, accumulates it over micro-batches as the

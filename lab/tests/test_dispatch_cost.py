@@ -43,5 +43,25 @@ def test_run_writes_a_row_per_case(tmp_path):
                                "--modes", "donated,read", "--out", str(out)])
     assert [(r["mode"], r["matmuls"], r["arrays"]) for r in rows] == [
         (m, mm, n) for m in ("donated", "read") for mm in (0, 1) for n in (2, 4)]
+    assert all(r["entry_instructions"] > 0 for r in rows)
     saved = json.loads(out.read_text())
     assert saved["rows"] == rows and saved["meta"]["device"]
+
+
+def test_entry_ops_are_counted_in_the_entry_computation_only():
+    hlo = """HloModule m
+
+%fused (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %n = f32[2]{0} fusion(%p), kind=kLoop, calls=%inner
+}
+
+ENTRY %main (a: f32[2]) -> f32[2] {
+  %a = f32[2]{0} parameter(0)
+  %f = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused
+  %c = f32[2]{0} custom-call(%f), custom_call_target="x"
+  ROOT %g = f32[2]{0} fusion(%c), kind=kLoop, calls=%fused
+}
+"""
+    assert dispatch_cost.count_entry_ops(hlo) == {
+        "entry_fusions": 2, "entry_custom_calls": 1, "entry_instructions": 4}
