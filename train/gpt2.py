@@ -184,7 +184,7 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     else:
         raise ValueError(f"unknown optimizer {o.name!r} (adamw, muon)")
     if o.clip:
-        # stacked parameters: the norm over the leaves as the tree has them (the same bits)
+        # stacked parameters: the norm over the leaves as the tree has them, in the tree's order
         clip = stacked.clip_by_global_norm if o.stack_params else optax.clip_by_global_norm
         tx = optax.chain(clip(o.clip), tx)
     return tx, schedule
