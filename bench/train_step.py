@@ -40,6 +40,7 @@ step under PyTorch's profiler (its trace and profile.md; kernels judged by name 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gzip
 import json
@@ -63,8 +64,26 @@ _clock = time.perf_counter  # the parent's clock for the budget (tests replace i
 # ----------------------------------------------------------------------------- worker (JAX)
 
 
-def jax_worker(spec: dict) -> dict:
-    """Time our step as ``spec`` says (one arm, one micro-batch); optionally profile it."""
+@dataclasses.dataclass
+class JaxStep:
+    """Our step as the benchmark times it, compiled: ``step()`` runs one on the next device batch
+    (the state donated and kept in ``held``) and returns its metrics."""
+
+    cfg: object
+    compiled: object
+    step: object
+    held: dict
+    batches: list
+    devices: list
+    accum: int
+    micro: int
+    seq: int
+    compile_s: float
+
+
+def build_jax_step(spec: dict) -> JaxStep:
+    """``train.gpt2.train_step`` for ``spec``'s config, jitted as training jits it (state donated,
+    replicated over a 1-D data mesh), on ``spec['batches']`` synthetic device batches."""
     import functools
 
     import jax
@@ -72,12 +91,11 @@ def jax_worker(spec: dict) -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from bench.step_timing import synthetic_batches, time_steps
+    from bench.step_timing import synthetic_batches
     from train import config as config_lib
     from train.gpt2 import (grad_accum_steps, init_state, make_model, make_optimizer, split_model,
                             train_step)
 
-    t_start = time.perf_counter()
     cfg = config_lib.validate(config_lib.from_dict(spec["config"]))
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("data",))
@@ -109,6 +127,20 @@ def jax_worker(spec: dict) -> dict:
         held["state"], metrics = compiled(held["state"], b)
         return metrics  # one executable: its outputs are ready together
 
+    return JaxStep(cfg, compiled, step, held, batches, devices, accum, micro, seq, compile_s)
+
+
+def jax_worker(spec: dict) -> dict:
+    """Time our step as ``spec`` says (one arm, one micro-batch); optionally profile it."""
+    import jax
+    import numpy as np
+
+    from bench.step_timing import time_steps
+
+    t_start = time.perf_counter()
+    js = build_jax_step(spec)
+    cfg, compiled, step, devices = js.cfg, js.compiled, js.step, js.devices
+    accum, micro, seq, compile_s = js.accum, js.micro, js.seq, js.compile_s
     timing = time_steps(step, jax.block_until_ready, warmup=spec["warmup"], steps=spec["steps"])
     loss = float(step()["loss"])
     stats = devices[0].memory_stats() or {}
