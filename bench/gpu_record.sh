@@ -8,8 +8,8 @@
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET, DROPIN_TIMEOUT (seconds);
 #      SHAPES and BENCH_ARGS (bench.attention's timing and mask arguments; default "--sync round
 #      --non-causal", the table of record's: calls back to back, each shape with and without the mask);
-#      STEP_ARMS, STEP_BATCH, STEP_PRIMARY (fa2-stable) for the step (bench.train_step --arms,
-#      --batch, --primary); STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as
+#      STEP_ARMS, STEP_BATCH, STEP_PRIMARY (fa2-stable), STEP_ROUNDS (1) for the step
+#      (bench.train_step --arms, --batch, --primary, --rounds); STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as
 #      profile-compare.md and profile.tgz), STEP_PROFILE_STEPS (--profile-steps, 3);
 #      K selects GPU tests (pytest -k).
 # `step` alone writes 4 files: env.txt, train_step.{json,log}, profile.tgz (profile/: profile.md,
@@ -50,6 +50,7 @@ if [[ " $parts " == *" step "* ]]; then
   F+=";model.cross_entropy=pallas;model.packed_qkv=true"
   default_arms="fa2,fa2-stable,cudnn,fa2-stable[$F],fa2-stable[${F/gelu=erf/gelu=pallas}]"
   timeout "${STEP_TIMEOUT:-540}" python3 -m bench.train_step --steps 30 --batch "${STEP_BATCH:-32,16}" \
+    --rounds "${STEP_ROUNDS:-1}" \
     --arms "${STEP_ARMS:-$default_arms}" \
     --primary "${STEP_PRIMARY:-fa2-stable}" --nanogpt third_party/nanoGPT \
     --profile "$OUT/profile" ${STEP_PROFILE_ARMS:+--profile-arms "$STEP_PROFILE_ARMS"} \

@@ -47,6 +47,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -273,15 +274,17 @@ def _configs(args):
     return base, per_arm
 
 
-def plan(arms: list[str], batches: list[int], primary: str, nanogpt: bool) -> list[tuple[str, str, int]]:
-    """(kind, arm, micro-batch) in run order: per micro-batch the primary arm and nanoGPT, then the
-    other arms per micro-batch."""
+def plan(arms: list[str], batches: list[int], primary: str, nanogpt: bool,
+         rounds: int = 1) -> list[tuple[str, str, int, int]]:
+    """(kind, arm, micro-batch, round) in run order: per micro-batch the primary arm and nanoGPT,
+    then the other arms per micro-batch; all of it ``rounds`` times, the primary and nanoGPT taking
+    turns to go first (so that neither always runs on the GPU the other left)."""
     order = []
-    for b in batches:
-        order.append(("jax", primary, b))
-        if nanogpt:
-            order.append(("torch", "nanogpt", b))
-    order += [("jax", a, b) for b in batches for a in arms if a != primary]
+    for r in range(rounds):
+        for b in batches:
+            pair = [("jax", primary, b, r)] + ([("torch", "nanogpt", b, r)] if nanogpt else [])
+            order += pair[::-1] if r % 2 else pair
+        order += [("jax", a, b, r) for b in batches for a in arms if a != primary]
     return order
 
 
@@ -375,16 +378,22 @@ def derive(run: dict, flops_per_token: float, peak_flops: dict) -> None:
         peak_flops[run["device"]] = peak / run.get("n_devices", 1)
 
 
-def compare(runs: list[dict]) -> None:
-    """Each ok JAX run's tokens/s over nanoGPT's at the same micro-batch (median and back to back)."""
-    ref = {r["batch"]: r for r in runs if r["arm"] == "nanogpt" and r.get("tokens_per_s")}
-    for r in runs:
-        n = ref.get(r["batch"])
-        if r["arm"] != "nanogpt" and r.get("tokens_per_s") and n:
-            r["vs_nanogpt"] = r["tokens_per_s"] / n["tokens_per_s"]
-            if r.get("back_to_back_tokens_per_s") and n.get("back_to_back_tokens_per_s"):
-                r["vs_nanogpt_back_to_back"] = (r["back_to_back_tokens_per_s"]
-                                                / n["back_to_back_tokens_per_s"])
+def compare(runs: list[dict], primary: str | None = None) -> None:
+    """Each ok run's tokens/s over nanoGPT's at the same micro-batch in the same round (median and
+    back to back): ``vs_nanogpt``; with ``primary``, each other JAX run's over the primary arm's
+    the same way: ``vs_primary``."""
+    key = lambda r: (r["batch"], r.get("round", 0))
+    for ref_arm, field in (("nanogpt", "vs_nanogpt"), (primary, "vs_primary")):
+        if ref_arm is None:
+            continue
+        ref = {key(r): r for r in runs if r["arm"] == ref_arm and r.get("tokens_per_s")}
+        for r in runs:
+            n = ref.get(key(r))
+            if r["arm"] not in ("nanogpt", ref_arm) and r.get("tokens_per_s") and n:
+                r[field] = r["tokens_per_s"] / n["tokens_per_s"]
+                if r.get("back_to_back_tokens_per_s") and n.get("back_to_back_tokens_per_s"):
+                    r[field + "_back_to_back"] = (r["back_to_back_tokens_per_s"]
+                                                  / n["back_to_back_tokens_per_s"])
 
 
 def run_all(args) -> dict:
@@ -396,7 +405,7 @@ def run_all(args) -> dict:
     seq = base.data.seq_len or base.model.block_size
     fpt = flops_per_token(base.model, seq)
     nanogpt = args.nanogpt is not None
-    order = plan(args.arms, args.batch, args.primary, nanogpt)
+    order = plan(args.arms, args.batch, args.primary, nanogpt, args.rounds)
     result = {
         "what": "GPT-2 training step time per arm (bench.train_step)",
         "command": "python -m bench.train_step " + " ".join(args.argv),
@@ -415,6 +424,7 @@ def run_all(args) -> dict:
                    f"median, quartiles, range), then {args.steps} back to back waited for once "
                    "(back_to_back_ms); tokens/s from the median; each run a fresh process"),
         "steps": args.steps, "warmup": args.warmup, "batches": args.batch, "primary": args.primary,
+        "rounds": args.rounds,
         "versions": {}, "device": None, "runs": [],
     }
     out = Path(args.out)
@@ -445,8 +455,8 @@ def run_all(args) -> dict:
     t_begin = _clock()
     took: dict[str, list[float]] = {"jax": [], "torch": [], "profile": []}
     try:
-        for i, (kind, arm, batch) in enumerate(order):
-            run = {"arm": arm, "batch": batch, "framework": kind}
+        for i, (kind, arm, batch, rnd) in enumerate(order):
+            run = {"arm": arm, "batch": batch, "round": rnd, "framework": kind}
             if kind == "jax":
                 cfg = config_lib.apply_overrides(per_arm[arm], [f"data.batch_size={batch}"])
                 run["overrides"] = arm_overrides(arm)
@@ -455,7 +465,8 @@ def run_all(args) -> dict:
             else:  # one GPU
                 cfg = config_lib.apply_overrides(base, [f"data.batch_size={batch}"])
                 run.update(nanogpt=args.nanogpt, grad_accum=grad_accum_steps(cfg, 1))
-            profile = bool(args.profile) and arm in args.profile_arms and batch == args.batch[0]
+            profile = (bool(args.profile) and arm in args.profile_arms and batch == args.batch[0]
+                       and rnd == 0)
             result["runs"].append(run)
             elapsed = _clock() - t_begin
             # the profiled run takes longer than the others: a guess for them only without another
@@ -533,7 +544,7 @@ def run_all(args) -> dict:
                 run.update(status="timeout" if rc is None else "failed", exit_status=rc,
                            error="\n".join(_tail(log, 30)))
                 print(f"[{arm} b{batch}] {run['status']} after {secs:.0f} s", flush=True)
-            compare(result["runs"])
+            compare(result["runs"], args.primary)
             save()
     except SystemExit:
         for r in result["runs"]:
@@ -628,6 +639,31 @@ def compare_profiles(profiles: list[dict], device: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def over_rounds(runs: list[dict], field: str = "vs_nanogpt", against: str = "nanoGPT's") -> str:
+    """Per (arm, micro-batch): the median over rounds of a ratio of tokens/s taken within each
+    round (``field``: ``vs_nanogpt`` or ``vs_primary``), its range and how many rounds carry it;
+    waited and back to back. Empty when no run has the ratio."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in runs:
+        if r.get(field) is not None:
+            groups.setdefault((r["arm"], r["batch"]), []).append(r)
+    if not groups:
+        return ""
+    lines = [f"Over rounds, tokens/s over {against} in the same round: median (range), rounds", "",
+             "| arm | micro-batch | waited | back to back | rounds |", "|---|---|---|---|---|"]
+
+    def cell(vals):
+        vals = sorted(v for v in vals if v is not None)
+        if not vals:
+            return "—"
+        return f"{statistics.median(vals):.3f} ({vals[0]:.3f}–{vals[-1]:.3f})"
+
+    for (arm, batch), rs in groups.items():
+        lines.append(f"| {arm} | {batch} | {cell(r[field] for r in rs)} | "
+                     f"{cell(r.get(field + '_back_to_back') for r in rs)} | {len(rs)} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: dict | list) -> str:
     """The results as a markdown table (one row per run, in run order). Files of the earlier form
     (a list of per-arm records: median step time, tokens/s, MFU) give those columns."""
@@ -641,16 +677,24 @@ def markdown(result: dict | list) -> str:
              f"{result['steps']} timed steps after {result['warmup']} (`{result['command']}`)", "",
              "| arm | micro-batch | tokens/s | ms/step median (q1–q3) | back to back ms | MFU | "
              "peak memory GiB | compile s | vs nanoGPT |", "|---|---|---|---|---|---|---|---|---|"]
+    rounds = max([r.get("round", 0) for r in result["runs"]], default=0) + 1
     for r in result["runs"]:
+        name = r["arm"] + (f" (round {r.get('round', 0) + 1})" if rounds > 1 else "")
         if r.get("status") != "ok":
-            lines.append(f"| {r['arm']} | {r['batch']} | {r.get('status')} | | | | | | |")
+            lines.append(f"| {name} | {r['batch']} | {r.get('status')} | | | | | | |")
             continue
         s = r["step_ms"]
         mem = r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None
-        lines.append(f"| {r['arm']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {s['median']:.2f} "
+        lines.append(f"| {name} | {r['batch']} | {r['tokens_per_s']:,.0f} | {s['median']:.2f} "
                      f"({s['q1']:.2f}–{s['q3']:.2f}) | {fmt(r.get('back_to_back_ms'), '.2f')} | "
                      f"{fmt(r.get('mfu'), '.3f')} | {fmt(mem, '.1f')} | {fmt(r.get('compile_s'), '.0f')} | "
                      f"{fmt(r.get('vs_nanogpt'), '.3f')} |")
+    if rounds > 1:
+        primary = result.get("primary") or "the primary arm"
+        for table in (over_rounds(result["runs"]),
+                      over_rounds(result["runs"], "vs_primary", f"`{primary}`'s")):
+            if table:
+                lines += ["", table]
     gpu = [r for r in result["runs"] if r.get("status") == "ok" and r.get("gpu")]
     if gpu:
         limit = result.get("power_limit_w")
@@ -677,6 +721,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30, help="timed steps (and as many back to back)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every (arm, micro-batch) this many times, each round a fresh process "
+                         "per run; ratios to nanoGPT pair runs of one round")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
     ap.add_argument("--batch", default="32", help="micro-batches, comma-separated, e.g. 32,16")
     ap.add_argument("--arms", default=DEFAULT_ARMS,
@@ -722,6 +769,8 @@ def main(argv=None):
         if args.regroup:
             print(compare_profiles(regroup(result, args.regroup), result.get("device")), end="")
         else:
+            if isinstance(result, dict):  # files from before a ratio existed get it too
+                compare(result["runs"], result.get("primary"))
             print(markdown(result), end="")
         return None
     args.argv = argv
@@ -739,6 +788,8 @@ def main(argv=None):
         ap.error(f"--profile-arms {','.join(missing)} not among --arms")
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (the first step compiles nanoGPT's model)")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     try:
         _configs(args)
     except (KeyError, ValueError) as e:

@@ -208,10 +208,40 @@ def test_synthetic_batches_are_the_same_for_every_framework():
 
 def test_run_order_puts_the_judged_comparison_first():
     order = ts.plan(["fa2", "fa2-stable", "cudnn"], [32, 16], "fa2-stable", True)
-    assert order == [("jax", "fa2-stable", 32), ("torch", "nanogpt", 32), ("jax", "fa2-stable", 16),
-                     ("torch", "nanogpt", 16), ("jax", "fa2", 32), ("jax", "cudnn", 32),
-                     ("jax", "fa2", 16), ("jax", "cudnn", 16)]
-    assert ts.plan(["fa2"], [8], "fa2", False) == [("jax", "fa2", 8)]
+    assert order == [("jax", "fa2-stable", 32, 0), ("torch", "nanogpt", 32, 0),
+                     ("jax", "fa2-stable", 16, 0), ("torch", "nanogpt", 16, 0), ("jax", "fa2", 32, 0),
+                     ("jax", "cudnn", 32, 0), ("jax", "fa2", 16, 0), ("jax", "cudnn", 16, 0)]
+    assert ts.plan(["fa2"], [8], "fa2", False) == [("jax", "fa2", 8, 0)]
+
+
+def test_rounds_repeat_the_plan_with_the_judged_pair_taking_turns():
+    order = ts.plan(["fa2-stable", "fa2"], [16], "fa2-stable", True, rounds=3)
+    assert order == [("jax", "fa2-stable", 16, 0), ("torch", "nanogpt", 16, 0), ("jax", "fa2", 16, 0),
+                     ("torch", "nanogpt", 16, 1), ("jax", "fa2-stable", 16, 1), ("jax", "fa2", 16, 1),
+                     ("jax", "fa2-stable", 16, 2), ("torch", "nanogpt", 16, 2), ("jax", "fa2", 16, 2)]
+
+
+def test_ratios_pair_runs_of_one_round_and_summarise_over_rounds():
+    def run(arm, rnd, ms, b2b):
+        return {"arm": arm, "batch": 16, "round": rnd, "tokens_per_s": 1000 / ms,
+                "back_to_back_tokens_per_s": 1000 / b2b}
+
+    runs = [run("nanogpt", 0, 33.0, 33.0), run("g", 0, 30.0, 30.0),
+            run("nanogpt", 1, 36.0, 34.0), run("g", 1, 32.0, 31.0),
+            run("nanogpt", 2, 34.0, 34.0), run("g", 2, 31.0, 30.0)]
+    ts.compare(runs)
+    got = [r["vs_nanogpt"] for r in runs if r["arm"] == "g"]
+    assert got == pytest.approx([33 / 30, 36 / 32, 34 / 31])  # each against its own round's
+    table = ts.over_rounds(runs)
+    med = sorted(got)[1]
+    assert f"| g | 16 | {med:.3f} ({min(got):.3f}–{max(got):.3f}) |" in table
+    assert table.rstrip().endswith("| 3 |")
+    runs += [run("h", 0, 29.0, 29.0), run("h", 1, 32.0, 31.0)]  # a lever beside g, two rounds
+    ts.compare(runs, primary="g")
+    assert [r["vs_primary"] for r in runs if r["arm"] == "h"] == pytest.approx([30 / 29, 1.0])
+    assert "vs_primary" not in runs[1] and "vs_primary" not in runs[0]  # g itself, nanoGPT
+    assert "| h | 16 |" in ts.over_rounds(runs, "vs_primary", "g's")
+    assert ts.over_rounds([run("nanogpt", 0, 1.0, 1.0)]) == ""
 
 
 class FakeRuns:
@@ -273,7 +303,8 @@ def test_results_file_with_stand_in_runs(tmp_path, monkeypatch):
     assert saved["flops_per_token"] == 854_770_176 and saved["n_params_non_embedding"] == 123_587_328
     runs = {(r["arm"], r["batch"]): r for r in saved["runs"]}
     assert [(r["arm"], r["batch"]) for r in saved["runs"]] == [
-        (a, b) for _, a, b in ts.plan(["fa2", "fa2-stable", "cudnn"], [32, 16], "fa2-stable", True)]
+        (a, b) for _, a, b, _ in ts.plan(["fa2", "fa2-stable", "cudnn"], [32, 16], "fa2-stable",
+                                          True)]
     for key in [k for k in runs if k[0] != "cudnn"]:
         assert RUN_KEYS <= set(runs[key]) and runs[key]["status"] == "ok"
     stable, nano = runs[("fa2-stable", 32)], runs[("nanogpt", 32)]
