@@ -23,6 +23,7 @@ bounds): an option that changes last bits, off by default.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ class Layout:
             groups.setdefault(f"{jnp.dtype(leaf.dtype).name}_{shape}", []).append(i)
         return cls(treedef, tuple((name, tuple(idx)) for name, idx in groups.items()))
 
-    @property
+    @functools.cached_property  # read on every flatten: each jitted call's arguments
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.groups)
 
