@@ -48,7 +48,7 @@ from jax_flash.pallas import tuning
 from .attention import _jax_pass, _timed, timed_interleaved
 
 LAUNCHES = [(4, 2), (4, 3), (8, 2), (8, 3)]  # Triton (num_warps, num_stages)
-MOSAIC_STAGES = (2, 4)  # ring depths of the Mosaic kernels tried beside their defaults
+MOSAIC_STAGES = (2, 3, 4)  # ring depths of the Mosaic kernels tried beside their defaults
 MOSAIC_REGS = ((240, 24),)  # Mosaic backward (compute, producer) register splits beside the default
 FINALISTS, ROUNDS = 3, 3
 WARPS_STAGES = ("fwd", "bwd", "dq")  # launch fields written as {"num_warps", "num_stages"}

@@ -473,16 +473,20 @@ def fused_scratch(dtype, interpret: bool):
     and a buffer to read dQ's accumulator back (the interpreter has no TMA reduction)."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
+    # FP32 rows of 128 bytes swizzled as the bf16 tiles are: the accumulator's stores spread over
+    # the banks (unswizzled, the rows of a 64-column tile all start in the same bank)
+    f32_layout = plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)
     wgs = (COMPUTE_WGS, KEYS_PER_WG)
     scratch = (
         plgpu.SMEM((*wgs, Q_TILE), dtype, transforms=layout),  # dSᵀ of each warpgroup's keys
-        plgpu.SMEM((COMPUTE_WGS, Q_TILE, DQ_COLS), jnp.float32),  # dQ columns to store or add
+        plgpu.SMEM((COMPUTE_WGS, Q_TILE, DQ_COLS), jnp.float32, transforms=f32_layout),  # dQ part
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both dSᵀ written
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both dS·K read them
     )
     if interpret:
         scratch += (plgpu.SMEM((*wgs, Q_TILE), dtype, transforms=layout),  # Pᵀ
-                    plgpu.SMEM((COMPUTE_WGS, Q_TILE, DQ_COLS), jnp.float32),  # dQ read back
+                    plgpu.SMEM((COMPUTE_WGS, Q_TILE, DQ_COLS), jnp.float32,
+                               transforms=f32_layout),  # dQ read back
                     plgpu.Barrier(num_barriers=COMPUTE_WGS))
     return scratch
 

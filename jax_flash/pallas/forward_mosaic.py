@@ -77,7 +77,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
-    (qo_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
+    (qo_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
      *p_smem) = scratch
     p_smem = p_smem[0] if p_smem else None
     bk, d = cfg.block_k, q_ref.shape[-1]
@@ -177,10 +177,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
         o, lse = tile.finish(carry, cfg)
         qo[...] = o.astype(qo.dtype)
-        lse_smem.at[wg][...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo, o_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)])
+        # L straight from registers: 256 bytes a warpgroup, not worth the shared memory a TMA
+        # store needs (1 KiB with alignment, the margin a third K/V stage needs at head_dim 128)
+        lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)][...] = lse
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -198,7 +199,6 @@ def forward_scratch(bk, d, dtype, stages):
         plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), dtype, transforms=layout),  # Q, then O
         plgpu.SMEM((stages, bk, d), dtype, transforms=layout),
         plgpu.SMEM((stages, bk, d), dtype, transforms=layout),
-        plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
         plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q arrived, per warpgroup
         plgpu.Barrier(num_barriers=stages),  # K_j arrived
         plgpu.Barrier(num_barriers=stages),  # V_j arrived

@@ -51,7 +51,8 @@ SMEM_LIMIT = 227 * 1024
 # Mosaic GPU puts each shared-memory buffer on a 1 KiB boundary (what a 128-byte swizzle needs) and
 # gives each barrier 8 bytes; the lowering may add scratch of its own: 2 KiB in the forward as
 # compiled by jax 0.11.2 (its reported totals: 233,704 bytes for the dK/dV kernel's ring of 5,
-# 232,568 for the forward's ring of 3 at head_dim 128 with 128-key tiles).
+# 232,568 for the forward's ring of 3 at head_dim 128 with 128-key tiles, when the forward still
+# staged L in a buffer of its own).
 SMEM_ALIGN = 1024
 BARRIER_BYTES = 8
 LOWERING_RESERVE = 2048
