@@ -182,15 +182,19 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
 
 
 def test_fused_coverage_and_its_fallback(monkeypatch):
-    """``check_fused`` names what the fused dQ does not cover (no causal mask, a window, GQA,
-    head_dim 64, a padded length); there a tuning entry's "mosaic_fused" becomes the two Mosaic
-    kernels (availability faked), and asked for explicitly it raises. The fused kernel itself
-    raises on such a call before any lowering, and with ``mosaic_bwd_overlap`` at construction."""
+    """``check_fused`` names what the fused dQ does not cover (a window, GQA, head_dim 64, a
+    padded length, more than 64 key blocks without the causal mask); there a tuning entry's
+    "mosaic_fused" becomes the two Mosaic kernels (availability faked), and asked for explicitly it
+    raises. The fused kernel itself raises on such a call before any lowering, and with
+    ``mosaic_bwd_overlap`` at construction."""
     from jax_flash.pallas import tuning
 
     shape = (1, 1024, 2, 128)
     assert bm.check_fused(make_cfg(1024, 128), shape) is None
-    assert "causal" in bm.check_fused(make_cfg(1024, 128, causal=False), shape)
+    assert bm.check_fused(make_cfg(1024, 128, causal=False), shape) is None
+    assert bm.check_fused(make_cfg(16384, 128), (1, 16384, 2, 128)) is None
+    assert "without the causal mask" in bm.check_fused(make_cfg(16384, 128, causal=False),
+                                                       (1, 16384, 2, 128))
     assert "window" in bm.check_fused(dataclasses.replace(make_cfg(1024, 128), window=(64, 0)),
                                       shape)
     assert "query heads" in bm.check_fused(dataclasses.replace(make_cfg(1024, 128), groups=2),
@@ -210,12 +214,13 @@ def test_fused_coverage_and_its_fallback(monkeypatch):
     monkeypatch.setattr(tuning, "lookup_entry",
                         lambda *a: ("fa2/d128/t1024/causal", jf.Launch(bwd_kernel="mosaic_fused")))
     x = jax.ShapeDtypeStruct(shape, BF16)
-    assert jf.plan(x, x, x, causal=True).launch.bwd_kernel == "mosaic_fused"
-    p = jf.plan(x, x, x, causal=False)
+    kv = jax.ShapeDtypeStruct((1, 1024, 1, 128), BF16)  # two query heads a key/value head
+    assert jf.plan(x, x, x, causal=False).launch.bwd_kernel == "mosaic_fused"
+    p = jf.plan(x, kv, kv, causal=True)
     assert p.launch.bwd_kernel == "mosaic" and any("mosaic for mosaic_fused" in n for n in p.notes)
     assert jf.plan(x, x, x, causal=True, delta="dpp").launch.bwd_kernel == "triton"
-    with pytest.raises(ValueError, match="not causal"):
-        jf.plan(x, x, x, causal=False, launch={"bwd_kernel": "mosaic_fused"})
+    with pytest.raises(ValueError, match="query heads"):
+        jf.plan(x, kv, kv, causal=True, launch={"bwd_kernel": "mosaic_fused"})
 
 
 def test_hook_in_backward_runs_the_fused_kernel(monkeypatch):
@@ -318,25 +323,9 @@ needs_threads = pytest.mark.skipif(jax.device_count() < 3, reason=(
     "JAX_NUM_CPU_DEVICES=4"))
 
 
-def _interpreted_fused(monkeypatch, q, k, v, do, lse, dlt, cfg, stages=None):
-    """The fused kernel interpreted, races checked, except between the programs' read-add-writes of
-    dQ's accumulator in GMEM (``dq_store``): on the GPU a semaphore per block orders them, which
-    the interpreter (no GMEM semaphores) lacks; it runs the programs one after the other."""
-    from jax._src.pallas.mosaic_gpu import core
+def _interpreted_fused(q, k, v, do, lse, dlt, cfg, stages=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
-    from jax._src.pallas.mosaic_gpu.interpret import race_detection_state as rds
-    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
-    from jax._src import source_info_util
 
-    gmem = shared_memory.get_memory_space_idx(core.MemorySpace.GMEM)
-    for name in ("check_read", "check_write"):
-        def check(self, thread, clock, key, rnge, source_info=None, _orig=getattr(
-                rds.GPURaceDetectionState, name)):
-            if (key.memory_space_id == gmem and source_info is not None
-                    and "dq_store" in source_info_util.summarize(source_info)):
-                return None
-            return _orig(self, thread, clock, key, rnge, source_info)
-        monkeypatch.setattr(rds.GPURaceDetectionState, name, check)
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     out = jitted(bm.dkdv_dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
                  interpret=interpret_params(), stages=stages)
@@ -347,31 +336,49 @@ def _interpreted_fused(monkeypatch, q, k, v, do, lse, dlt, cfg, stages=None):
 
 @needs_interpreter
 @needs_threads
-@pytest.mark.parametrize("shape,stable", [
-    ((1, 384, 2, 128), False), pytest.param((2, 256, 1, 128), True, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("shape,causal,stable", [
+    ((1, 384, 2, 128), True, False), ((1, 384, 1, 128), False, False),
+    pytest.param((2, 256, 1, 128), True, True, marks=pytest.mark.slow)],
     ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
-def test_interpreted_fused_kernel(rng, monkeypatch, assert_close, shape, stable):
+def test_interpreted_fused_kernel(rng, assert_close, shape, causal, stable):
     """The fused kernel (dQ summed in the dK/dV kernel), interpreted with race detection, against
-    the two Mosaic kernels interpreted: dK and dV bit for bit (the same products in the same
-    order); dQ — its 128-key blocks' sums added in FP32 in decreasing key order (three blocks here,
-    so two additions after a store), where the dQ kernel accumulates 64-key tiles in increasing
-    order — within twice the policy's gradient bound of theirs and of the jnp executor's, and within
-    the bound of float64's. A ring of one slot gives the same bits as the default three."""
-    cfg = make_cfg(shape[1], shape[-1], causal=True, stable=stable)
+    the two Mosaic kernels interpreted. Causal: dK and dV bit for bit (the same products in the
+    same order); without the mask each program walks the query blocks from its own start, so its
+    dK and dV sum them in another order: within twice the policy's bound of theirs. dQ — three
+    programs' 128-key sums added in FP32 in the order the programs reach each block, where the dQ
+    kernel accumulates 64-key tiles in increasing order — within twice the bound of theirs and of
+    the jnp executor's, and within the bound of float64's. A ring of one slot gives the same bits
+    as the default three."""
+    cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=stable)
     q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg, tied=stable)
-    fused = _interpreted_fused(monkeypatch, q, k, v, do, lse, dlt, cfg)
+    fused = _interpreted_fused(q, k, v, do, lse, dlt, cfg)
     two = _interpreted(q, k, v, do, lse, dlt, cfg)
-    chex.assert_trees_all_equal(fused[1:], two[1:])
     jnp_g = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)
-    exact = jf.reference_numpy(q, k, v, do, causal=True)[1:]
-    bound = grad_bounds(q, k, v, do, cfg)[0]
-    chex.assert_type(fused[0], BF16)
-    assert_close(fused[0], two[0], 2 * bound, "dQ vs the dQ kernel")
-    assert_close(fused[0], jnp_g[0], 2 * bound, "dQ vs jnp")
-    assert_close(fused[0], exact[0], bound, "dQ vs float64")
+    exact = jf.reference_numpy(q, k, v, do, causal=causal)[1:]
+    bounds = grad_bounds(q, k, v, do, cfg)
+    if causal:
+        chex.assert_trees_all_equal(fused[1:], two[1:])
+    for i, name in enumerate(("dQ", "dK", "dV")):
+        chex.assert_type(fused[i], BF16)
+        assert_close(fused[i], two[i], 2 * bounds[i], f"{name} vs the two kernels")
+        assert_close(fused[i], jnp_g[i], 2 * bounds[i], f"{name} vs jnp")
+        assert_close(fused[i], exact[i], bounds[i], f"{name} vs float64")
     if not stable:
-        one_slot = _interpreted_fused(monkeypatch, q, k, v, do, lse, dlt, cfg, stages=1)
+        one_slot = _interpreted_fused(q, k, v, do, lse, dlt, cfg, stages=1)
         chex.assert_trees_all_equal(one_slot, fused)
+
+
+def test_fused_dq_adds_in_rank_order():
+    """The interpreted fused kernel's dQ: its rank slots added one onto the total in rank order,
+    only where that many programs reach the row's block (under the causal mask, one more per
+    128-key block); the other slots, never written, are not read."""
+    parts = jnp.stack([jnp.full((1, 384, 1, 2), x, jnp.float32) for x in (1.0, 2.0 ** -24, 3.0)])
+    parts = parts.at[1:, :, :128].set(jnp.nan).at[2:, :, :256].set(jnp.nan)  # unwritten
+    causal = bm._add_in_rank_order(parts, True)
+    chex.assert_trees_all_equal(np.asarray(causal[0, :, 0, 0]), np.asarray(
+        [1.0] * 128 + [1.0] * 128 + [4.0] * 128, np.float32))  # 1 + 2⁻²⁴ rounds to 1
+    full = bm._add_in_rank_order(jnp.nan_to_num(parts, nan=0.5), False)
+    assert float(full[0, 0, 0, 0]) == (1.0 + 0.5) + 0.5 and float(full[0, 300, 0, 0]) == 4.0
 
 
 @needs_interpreter

@@ -20,11 +20,11 @@ or "mosaic_dkdv" (dQ stays
 Triton's); ``jax_flash.plan`` runs the Triton kernels instead where ``check`` says these do not cover
 the call, or raises if the caller asked for them.
 
-The fused kernel (``dkdv_dq_mosaic``, ``Launch.bwd_kernel="mosaic_fused"``: causal, head_dim 128,
-no GQA, windows or padding) is the dK/dV kernel that also sums dQ = dS·K from the dSᵀ it computes
-(five products per tile where the two kernels take seven): the programs' 128-key sums reach dQ's
-FP32 accumulator in GMEM in decreasing key order, ordered by a GMEM semaphore per query block and
-half of head_dim, then dQ is scaled and rounded once.
+The fused kernel (``dkdv_dq_mosaic``, ``Launch.bwd_kernel="mosaic_fused"``: head_dim 128, no GQA,
+windows or padding) is the dK/dV kernel that also sums dQ = dS·K from the dSᵀ it computes (five
+products per tile where the two kernels take seven): the programs' 128-key sums reach dQ's FP32
+accumulator in GMEM in the order the programs reach each query block (``_kernel``'s ``rank``),
+held by a GMEM semaphore per query block and half of head_dim, then dQ is scaled and rounded once.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
@@ -50,6 +50,9 @@ COMPUTE_WGS = 2
 KEYS = KEYS_PER_WG * COMPUTE_WGS  # keys per program
 Q_TILE = 64  # query rows per streamed block (the reduction dimension of dK, dV: numerics-neutral)
 DQ_COLS = 64  # dQ columns a warpgroup of the fused kernel computes (head_dim 128 in two halves)
+# Without the causal mask a fused program may wait on the program of its head launched last, so
+# all of a head's programs must fit on the GPU at once (one a multiprocessor: 132 on an H200)
+FUSED_FULL_KEY_BLOCKS = 64
 DQ_KEY_TILE = 64  # keys per streamed tile of the dQ kernel (its reduction dimension)
 HEAD_DIMS = (64, 128)
 # Shared-memory stages of the streamed ring (dK/dV: Q, dO; dQ: K, V): 32 KiB per stage at D = 128
@@ -172,18 +175,32 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
 
         # dQ in this kernel (``fused``): per query block b, both warpgroups' bf16 dSᵀ go to shared
         # memory and warpgroup w computes columns [w·64, w·64 + 64) of dS·K over the program's 128
-        # keys (one product, in order of the keys); the sums of the programs reach dQ's FP32
-        # accumulator in GMEM in decreasing key order, the first stored, each next added by a TMA
-        # reduction once the previous program's has completed (a GMEM semaphore per block and half)
+        # keys (one product, in order of the keys). Program j visits the query blocks from its
+        # ``start`` = 2j on (wrapping around without the causal mask), so it reaches block b
+        # rem(b − 2j, nq) steps in, 2 after program j + 1: that order, ``rank``, is the order in
+        # which the programs' sums reach dQ's FP32 accumulator in GMEM, the first stored, each next
+        # added by a TMA reduction once the one before has completed (a GMEM semaphore per block
+        # and half). Interpreted, each sum goes to its rank's slot and the slots are added after.
         cols = pl.ds(pl.multiple_of(wg * DQ_COLS, DQ_COLS), DQ_COLS)
+        t_len, n_kblk = q_ref.shape[1], q_ref.shape[1] // KEYS
+        start = key0 // bq
 
         def sem_at(b):
             return sems.at[((batch * q_ref.shape[2] + head) * nq + b) * COMPUTE_WGS + wg]
 
+        def rank(b):
+            return lax.rem(b * bq - key0 + t_len, t_len) // KEYS
+
+        def is_last(b):  # no program adds to block b after this one
+            return rank(b) == (b * bq // KEYS if cfg.causal else n_kblk - 1)
+
+        def prev(b):
+            return lax.rem(b - 1 + nq, nq)
+
         def dq_phase(b, ds_op, dk, q_tile=None):
             """dK += dSᵀ·Q (``dk`` None: a block this warpgroup's keys do not see, dSᵀ zero) and
             this warpgroup's columns of the program's dS·K, as (dk, dq)."""
-            pl.when(b > p_lo)(lambda: plgpu.barrier_wait(ds_free))  # the last block's dS is read
+            pl.when(b != start)(lambda: plgpu.barrier_wait(ds_free))  # the last dS is read
             ds_smem.at[wg][...] = ds_op
             plgpu.commit_smem()
             plgpu.barrier_arrive(ds_ready)
@@ -222,37 +239,28 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
             return dk, dq
 
         def dq_store(b, dq):
-            """This program's sum for block b into dQ's accumulator, after the programs of higher
-            keys (``rank`` of them) added theirs; the previous block's completes first and is
-            signalled to the next program."""
+            """This program's sum for block b into dQ's accumulator, after the ``rank`` programs
+            that reach b before it added theirs; the previous block's completes first and is
+            signalled to the program after this one."""
             stage = dq_stage.at[wg]
             plgpu.wait_smem_to_gmem(0)  # the last block's copy has read the stage and landed
             if not interpret:
-                pl.when((b > p_lo) & (kblk > 0))(
-                    lambda: plgpu.semaphore_signal(sem_at(b - 1), 1, memory_scope="gpu"))
-            rank = b * bq // KEYS - kblk
-            dst = dq_ref.at[batch, pl.ds(b * bq, bq), head, cols]
+                pl.when((b != start) & ~is_last(prev(b)))(
+                    lambda: plgpu.semaphore_signal(sem_at(prev(b)), 1, memory_scope="gpu"))
             stage[...] = dq
-            if interpret:  # programs run one after the other: read, add, write back
-                rmw, rmw_ready = staging[1].at[wg], staging[2].at[wg]
-
-                @pl.when(rank > 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(dst, rmw, rmw_ready)
-                    plgpu.barrier_wait(rmw_ready)
-                    stage[...] = rmw[...] + dq
-
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(stage, dst)
-                return
             plgpu.commit_smem()
-            pl.when(rank == 0)(lambda: plgpu.copy_smem_to_gmem(stage, dst))
+            rows = pl.ds(b * bq, bq)
+            if interpret:  # no semaphores nor TMA reductions: the rank's own slot
+                plgpu.copy_smem_to_gmem(stage, dq_ref.at[rank(b), batch, rows, head, cols])
+                return
+            dst = dq_ref.at[batch, rows, head, cols]
+            pl.when(rank(b) == 0)(lambda: plgpu.copy_smem_to_gmem(stage, dst))
 
-            @pl.when(rank > 0)
+            @pl.when(rank(b) > 0)
             def _():
-                for last in (False, True):  # the last program (kblk 0) leaves the semaphore at 0
-                    pl.when((kblk == 0) == last)(lambda last=last: plgpu.semaphore_wait(
-                        sem_at(b), rank, decrement=last, memory_scope="gpu"))
+                for last in (False, True):  # the last program leaves the semaphore at 0
+                    pl.when(is_last(b) == last)(lambda last=last: plgpu.semaphore_wait(
+                        sem_at(b), rank(b), decrement=last, memory_scope="gpu"))
                 plgpu.copy_smem_to_gmem(stage, dst, reduction_op="add")
 
         def skip_fused(b, _, base=0):  # the diagonal block of the second warpgroup's keys
@@ -286,9 +294,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
                 (plgpu.ACC.init(zeros), plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
             return dk, dv
 
-        def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: the ring's step
+        def step(b, carry, masked: bool, base=0, ring=None):
+            """Query block b; ``ring``: the ring's step (None: base + b − p_lo)."""
             dk, dv = carry
-            slot = lax.rem(base + b - p_lo, stages)
+            slot = lax.rem(base + b - p_lo if ring is None else ring, stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
 
@@ -323,7 +332,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
             else:
                 # jax 0.11's GPU interpreter has neither run_state nor a register wgmma operand:
                 # Pᵀ goes through shared memory, and the sum is tile.py's dv + (Pᵀ·dO)
-                p_stage, ds_stage = staging[0].at[wg], staging[1].at[wg]
+                p_stage = staging[0].at[wg]
+                ds_stage = None if fused else staging[1].at[wg]
                 p_stage[...] = cast_rounded(p_t, pol.p_dtype)
                 plgpu.commit_smem()
 
@@ -362,6 +372,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
             return dk, dv
 
         def one_head(i, carry):  # query head head·g + i: its n_steps query blocks
+            if fused and not cfg.causal:  # every block, from ``start`` on, unmasked
+                return lax.fori_loop(0, nq, lambda r, c: step(
+                    lax.rem(start + r, nq), c, masked=False, ring=r), carry)
             base = i * n_steps
             # above the diagonal, a window's upper edge; the window's lower edge (without one,
             # full_hi = hi = p_hi)
@@ -379,8 +392,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
         if fused:
             plgpu.wait_smem_to_gmem(0)
             if not interpret:
-                pl.when(kblk > 0)(
-                    lambda: plgpu.semaphore_signal(sem_at(nq - 1), 1, memory_scope="gpu"))
+                last_block = nq - 1 if cfg.causal else prev(start)
+                pl.when(~is_last(last_block))(
+                    lambda: plgpu.semaphore_signal(sem_at(last_block), 1, memory_scope="gpu"))
             plgpu.barrier_wait(ds_free)  # the other warpgroup's last dS·K has read this K
         k_tile[...] = (dk * cfg.sm_scale).astype(k_tile.dtype)
         v_tile[...] = dv.astype(v_tile.dtype)
@@ -393,8 +407,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
     def _produce():
         plgpu.set_max_registers(regs[1], action="decrease")
 
-        if g == 1:
-            rows = lambda s: pl.ds((p_lo + s) * bq, bq)
+        if g == 1:  # fused without the causal mask: from the program's start on, wrapping around
+            rows = lambda s: pl.ds((lax.rem(p_lo + key0 // bq + s, nq) if fused and not cfg.causal
+                                    else p_lo + s) * bq, bq)
             qh = lambda s: head
         else:  # ring step s: query head head·g + s // n_steps, its block p_lo + s mod n_steps
             rows = lambda s: pl.ds((p_lo + lax.rem(s, n_steps)) * bq, bq)
@@ -469,8 +484,8 @@ def dq_scratch(d, dtype, stages):
 
 def fused_scratch(dtype, interpret: bool):
     """The fused kernel's scratch beside ``dkdv_scratch``'s: both warpgroups' dSᵀ, each one's FP32
-    dQ columns on their way to GMEM, and the barriers of the shared dSᵀ; interpreted, Pᵀ's staging
-    and a buffer to read dQ's accumulator back (the interpreter has no TMA reduction)."""
+    dQ columns on their way to GMEM, and the barriers of the shared dSᵀ; interpreted, Pᵀ's
+    staging."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
     # FP32 rows of 128 bytes swizzled as the bf16 tiles are: the accumulator's stores spread over
@@ -484,24 +499,24 @@ def fused_scratch(dtype, interpret: bool):
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both dS·K read them
     )
     if interpret:
-        scratch += (plgpu.SMEM((*wgs, Q_TILE), dtype, transforms=layout),  # Pᵀ
-                    plgpu.SMEM((COMPUTE_WGS, Q_TILE, DQ_COLS), jnp.float32,
-                               transforms=f32_layout),  # dQ read back
-                    plgpu.Barrier(num_barriers=COMPUTE_WGS))
+        scratch += (plgpu.SMEM((*wgs, Q_TILE), dtype, transforms=layout),)  # Pᵀ
     return scratch
 
 
 def check_fused(cfg: Numerics, shape) -> str | None:
     """Why the fused kernel (dQ summed in the dK/dV kernel, ``Launch.bwd_kernel="mosaic_fused"``)
     cannot run a call ``check`` admits (None: it can). ``shape``: q's padded ``[B, T, H, D]``."""
-    if not cfg.causal or cfg.window is not None:
-        return "not causal, or a window (the fused dQ covers the causal mask alone)"
+    if cfg.window is not None:
+        return "a window (the fused dQ covers the causal mask or none)"
     if cfg.groups != 1:
         return f"{cfg.groups} query heads per key/value head (the fused dQ covers one)"
     if shape[-1] != 2 * DQ_COLS:
         return f"head_dim {shape[-1]} (the fused dQ covers {2 * DQ_COLS})"
     if cfg.kv_len != shape[1]:
         return f"length {cfg.kv_len} padded to {shape[1]} (the fused dQ covers unpadded lengths)"
+    if not cfg.causal and shape[1] > FUSED_FULL_KEY_BLOCKS * KEYS:
+        return (f"length {shape[1]} without the causal mask (the fused dQ covers up to "
+                f"{FUSED_FULL_KEY_BLOCKS * KEYS}: a head's programs wait on each other)")
     return None
 
 
@@ -526,9 +541,11 @@ def dkdv_dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret
                    regs=None):
     """(dQ, dK, dV) from one kernel: ``dkdv_mosaic``'s, which also sums dQ = dS·K from the dSᵀ it
     computes, five matrix products per tile where the two kernels take seven (the dQ kernel
-    recomputes S and dP). dQ is summed in FP32 in GMEM over the programs' 128-key blocks in
-    decreasing key order — a fixed order, so the result does not depend on scheduling — then
-    scaled by sm_scale and rounded once, as the dQ kernel's. Causal calls at head_dim 128 without
+    recomputes S and dP). dQ is summed in FP32 in GMEM over the programs' 128-key blocks in the
+    order the programs reach each query block (``_kernel``'s ``rank``: decreasing keys under the
+    causal mask) — a fixed order, so the result does not depend on scheduling — then scaled by
+    sm_scale and rounded once, as the dQ kernel's. Without the causal mask each program walks the
+    query blocks from its own start, so its dK and dV sum them in that order. Head_dim 128 without
     GQA, windows or padding (``check_fused``); arguments as ``dkdv_mosaic``."""
     _require_covered("fused dK/dV/dQ", cfg, q, k, v, do, out_dtype)
     reason = check_fused(cfg, q.shape)
@@ -536,7 +553,22 @@ def dkdv_dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret
         raise ValueError(f"the fused Mosaic GPU backward does not cover this call: {reason}")
     dk, dv, dq = _dkdv_call(q, k, v, do, lse, dlt, cfg, out_dtype, interpret, stages, False, regs,
                             fused=True)
+    if interpret is not None:
+        dq = _add_in_rank_order(dq, cfg.causal)
     return (dq * cfg.sm_scale).astype(out_dtype), dk, dv
+
+
+def _add_in_rank_order(parts, causal: bool):
+    """The interpreted fused kernel's dQ: ``parts[r]`` holds the sums of the programs that reach
+    each query block r-th (``_kernel``'s ``rank``); added as the GPU's TMA reductions add them,
+    the first alone, each next onto the total, only where that many programs reach the block."""
+    t = parts.shape[2]
+    # programs that reach each row's query block: up to the diagonal's key block, or all of them
+    n = (jnp.arange(t) // KEYS + 1) if causal else jnp.full((t,), parts.shape[0])
+    total = parts[0]
+    for r in range(1, parts.shape[0]):
+        total = jnp.where((r < n)[None, :, None, None], total + parts[r], total)
+    return total
 
 
 def _dkdv_call(q, k, v, do, lse, dlt, cfg, out_dtype, interpret, stages, overlap, regs, *, fused):
@@ -564,7 +596,9 @@ def _dkdv_call(q, k, v, do, lse, dlt, cfg, out_dtype, interpret, stages, overlap
 
     kwargs = {} if interpret is None else {"interpret": interpret}
     out = jax.ShapeDtypeStruct(k.shape, out_dtype)
-    outs = (out, out) + ((jax.ShapeDtypeStruct(q.shape, jnp.float32),) if fused else ())
+    # fused: dQ's FP32 accumulator (interpreted: one slot per rank, see ``_kernel``)
+    dq_shape = q.shape if interpret is None else (t // KEYS, *q.shape)
+    outs = (out, out) + ((jax.ShapeDtypeStruct(dq_shape, jnp.float32),) if fused else ())
     name = "dkdvdq" if fused else "dkdv"
     return plgpu.kernel(
         entry,

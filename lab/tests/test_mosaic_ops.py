@@ -33,13 +33,13 @@ def test_tie_count_grows_with_the_key_tile():
         assert extra["k128"][op] - extra["k64"][op] == BODIES * PER_ENTRY_OPS_PER_64_KEYS, op
 
 
-def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv"):
-    """The causal dK/dV (or dQ) kernel's module at [1, t, 2, d], without its per-process dump
+def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv", causal=True):
+    """The dK/dV (or dQ, or fused) kernel's module at [1, t, 2, d], without its per-process dump
     name."""
     from jax_flash.pallas import backward_mosaic as bm
     from lab import mosaic_ops
 
-    cfg = mosaic_ops.numerics((1, t, 2, d), True)
+    cfg = mosaic_ops.numerics((1, t, 2, d), causal)
     q = jax.ShapeDtypeStruct((1, t, 2, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((1, 2, t), jnp.float32)
     kw = {"regs": regs} | ({"overlap": overlap} if kernel == "dkdv" else {})
@@ -86,7 +86,7 @@ def test_fused_backward_lowers_with_its_reductions_and_semaphores():
     loop bodies and the second warpgroup's diagonal block), one TMA reduction adding into dQ per
     such block, and a GMEM semaphore: waited before each reduction (a plain load, or a
     compare-and-swap that resets it in the last program), released after each block's copy
-    (deferred one block, plus the last)."""
+    (deferred one block, plus the last). Without the causal mask, the same in one loop body."""
     import collections
 
     plain, fused = _bwd_module(128), _bwd_module(128, kernel="fused")
@@ -99,3 +99,10 @@ def test_fused_backward_lowers_with_its_reductions_and_semaphores():
     assert fused.count("atom.relaxed.gpu.global.cas.b32") == phases
     assert fused.count("ld.relaxed.gpu.global.b32") == phases
     assert "cp.reduce.async.bulk" not in plain
+    # without the mask: one loop over every block from the program's start (one dQ phase)
+    full = _bwd_module(128, kernel="fused", causal=False)
+    extra = collections.Counter(mma.findall(full)) - collections.Counter(
+        mma.findall(_bwd_module(128, causal=False)))
+    assert extra == {"m64n64k16": 2 * 64 // 16}
+    assert full.count("cp.reduce.async.bulk.tensor.5d.global.shared::cta.add") == 1
+    assert full.count("red.release.gpu.global.add.u32") == 2
