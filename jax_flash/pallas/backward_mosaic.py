@@ -16,9 +16,8 @@ head and streams the query blocks of its group's query heads one head after the 
 The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure: 128 query rows per program in two compute
 warpgroups, K and V tiles streamed by a producer warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ,
 dQ += bf16(dS)·K. Chosen by ``Launch.bwd_kernel``: "mosaic" (both kernels), "mosaic_fused" (below)
-or "mosaic_dkdv" (dQ stays
-Triton's); ``jax_flash.plan`` runs the Triton kernels instead where ``check`` says these do not cover
-the call, or raises if the caller asked for them.
+or "mosaic_dkdv" (dQ stays Triton's); ``jax_flash.plan`` runs the Triton kernels instead where
+``check`` says these do not cover the call, or raises if the caller asked for them.
 
 The fused kernel (``dkdv_dq_mosaic``, ``Launch.bwd_kernel="mosaic_fused"``: head_dim 128, no GQA,
 windows or padding) is the dK/dV kernel that also sums dQ = dS·K from the dSᵀ it computes (five
