@@ -3,7 +3,7 @@
     python -m lab.ab prepare REV                      # here: writes build/ab/REV/jax_flash (git archive)
     python -m lab.ab run [--old build/ab/REV] [--variants new,new:stable,cudnn,old]
         [--entries lab/entries.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd]
-        [--rounds 5] [--reps 10] [--out FILE.json]    # on the GPU (carry build/ab)
+        [--rounds 5] [--reps 10] [--non-causal] [--out FILE.json]  # on the GPU (carry build/ab)
     python -m lab.ab table FILE.json [...]            # markdown table of runs
     python -m lab.ab ratio FILE.json [--variant new:stable] [--base new]  # paired per-round ratio
 
@@ -262,6 +262,7 @@ def main(argv=None):
     r.add_argument("--out", default=None)
     r.add_argument("--sync", choices=("call", "round"), default="call",
                    help="bench.attention.timed_interleaved: wait per call, or once per round of calls")
+    r.add_argument("--non-causal", action="store_true", help="without the causal mask")
     t = sub.add_parser("table", help="print the markdown table of result files")
     t.add_argument("files", nargs="+")
     pr = sub.add_parser("ratio", help="paired per-round ratio of two variants, with a 90 %% interval")
@@ -281,7 +282,7 @@ def main(argv=None):
     entries = json.loads(Path(args.entries).read_text())
     run(args.old, [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
         args.passes.split(","), args.variants.split(","), args.rounds, args.reps, entries=entries,
-        out=args.out, sync=args.sync)
+        causal=not args.non_causal, out=args.out, sync=args.sync)
 
 
 if __name__ == "__main__":

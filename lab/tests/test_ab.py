@@ -159,3 +159,12 @@ def test_paired_ratio_cancels_the_drift_the_rounds_share():
     with pytest.raises(KeyError):
         ab.paired_ratio([{k: v for k, v in r.items() if k != "rounds_ms"} for r in records],
                         "new:stable", "new", (4, 8192, 16, 128), "fwd+bwd")
+
+
+@pytest.mark.parametrize("flag,causal", [([], True), (["--non-causal"], False)])
+def test_run_command_passes_the_mask(monkeypatch, flag, causal):
+    """``lab.ab run`` times causal calls unless ``--non-causal`` is given."""
+    seen = {}
+    monkeypatch.setattr(ab, "run", lambda *a, **kw: seen.update(kw))
+    ab.main(["run", "--variants", "new", "--shapes", "1x256x2x64", *flag])
+    assert seen["causal"] is causal
