@@ -272,20 +272,22 @@ def _inputs(rng, shape, cfg, tied=False):
     return q, k, v, do, o, lse, dlt
 
 
-def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None):
+def _race_checked(kernel, q, k, v, do, lse, dlt, cfg, stages=None):
+    """``kernel`` (a Mosaic backward entry point) interpreted, compiled once per test, with the
+    race detector's verdict asserted."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-    # each kernel compiled once per test (the race detector runs inside it too)
-    dk, dv = jitted(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                    interpret=interpret_params(), stages=stages)
-    jax.block_until_ready((dk, dv))  # the interpreter's state is global: finish before reading it
+    out = jitted(kernel, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
+                 interpret=interpret_params(), stages=stages)
+    jax.block_until_ready(out)  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
-    interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-    dq = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                interpret=interpret_params(), stages=stages)
-    jax.block_until_ready((dq))  # the interpreter's state is global: finish before reading it
-    assert not interp.get_races().races_found
+    return out
+
+
+def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None):
+    dk, dv = _race_checked(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg, stages)
+    dq = _race_checked(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg, stages)
     return dq, dk, dv
 
 
@@ -324,14 +326,7 @@ needs_threads = pytest.mark.skipif(jax.device_count() < 3, reason=(
 
 
 def _interpreted_fused(q, k, v, do, lse, dlt, cfg, stages=None):
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
-
-    interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-    out = jitted(bm.dkdv_dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                 interpret=interpret_params(), stages=stages)
-    jax.block_until_ready(out)
-    assert not interp.get_races().races_found
-    return out
+    return _race_checked(bm.dkdv_dq_mosaic, q, k, v, do, lse, dlt, cfg, stages)
 
 
 @needs_interpreter

@@ -128,6 +128,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
     if fused:  # last key blocks first: a dQ block's sum waits only on programs launched earlier
         kblk = q_ref.shape[1] // KEYS - 1 - kblk
     key0 = kblk * KEYS  # causal, not fused: the first programs have the most query blocks
+    start = key0 // bq  # fused: the program's first query block (its causal diagonal)
     # the program streams the query blocks [p_lo, p_hi) that see its keys (tile.q_block_bounds: the
     # causal diagonal, a window's edges), per query head of its group
     p_lo, _, _, p_hi = tile.q_block_bounds(key0, bq, KEYS, nq, cfg)
@@ -182,7 +183,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
         # and half). Interpreted, each sum goes to its rank's slot and the slots are added after.
         cols = pl.ds(pl.multiple_of(wg * DQ_COLS, DQ_COLS), DQ_COLS)
         t_len, n_kblk = q_ref.shape[1], q_ref.shape[1] // KEYS
-        start = key0 // bq
 
         def sem_at(b):
             return sems.at[((batch * q_ref.shape[2] + head) * nq + b) * COMPUTE_WGS + wg]
@@ -407,7 +407,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
         plgpu.set_max_registers(regs[1], action="decrease")
 
         if g == 1:  # fused without the causal mask: from the program's start on, wrapping around
-            rows = lambda s: pl.ds((lax.rem(p_lo + key0 // bq + s, nq) if fused and not cfg.causal
+            rows = lambda s: pl.ds((lax.rem(start + s, nq) if fused and not cfg.causal
                                     else p_lo + s) * bq, bq)
             qh = lambda s: head
         else:  # ring step s: query head head·g + s // n_steps, its block p_lo + s mod n_steps
@@ -575,10 +575,13 @@ def _dkdv_call(q, k, v, do, lse, dlt, cfg, out_dtype, interpret, stages, overlap
     bsz, t, h, d = q.shape
     nq = t // Q_TILE
     layout = mosaic_common.swizzled()
-    extra = fused_scratch(q.dtype, interpret is not None) if fused else ()
-    if interpret is not None and not fused:  # Pᵀ, dSᵀ staged for the interpreter's wgmma
-        extra = (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
     compiled = fused_scratch(q.dtype, False) if fused else ()  # what shared memory must hold
+    if interpret is None:
+        extra = compiled
+    elif fused:
+        extra = fused_scratch(q.dtype, True)
+    else:  # Pᵀ, dSᵀ staged for the interpreter's wgmma
+        extra = (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
     stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n) + compiled, stages,
                                        STAGES[d], nq, "fused dK/dV/dQ" if fused else "dK/dV")
     scratch = dkdv_scratch(d, q.dtype, stages) + extra
