@@ -106,3 +106,46 @@ def test_fused_backward_lowers_with_its_reductions_and_semaphores():
     assert extra == {"m64n64k16": 2 * 64 // 16}
     assert full.count("cp.reduce.async.bulk.tensor.5d.global.shared::cta.add") == 1
     assert full.count("red.release.gpu.global.add.u32") == 2
+
+
+def _fwd_module(d, causal=True, **launch):
+    """The forward kernel's module at [1, 1024, 2, d] with key tiles of d, without its dump name."""
+    from jax_flash.pallas import forward_mosaic
+    from lab import mosaic_ops
+
+    cfg = mosaic_ops.numerics((1, 1024, 2, d), causal, block_k=d)
+    x = jax.ShapeDtypeStruct((1, 1024, 2, d), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=jnp.bfloat16,
+                                                              **launch))
+    with mosaic_ops.captured_modules() as seen:
+        jax.export.export(f, platforms=["cuda"])(x, x, x)
+    assert seen, "no Mosaic GPU module was serialized"
+    return re.sub(r'dump_basename = "[^"]*"', "", seen[-1])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fwd_overlap_issues_the_same_products_ahead(d, causal):
+    """``Launch.mosaic_fwd_overlap`` lowers for CUDA with the plain walk's products: per loop body
+    one Q·Kᵀ (d/16 wgmmas of K = 16) and one P̄·V (block_k/16), plus the first tile's Q·Kᵀ — two
+    copies under the causal mask, where the first tile may be masked or not — and the last tile's
+    P̄·V; each loop body reads its scores with P̄·V still in flight (``wait_group 1``)."""
+    plain, ours = _fwd_module(d, causal), _fwd_module(d, causal, overlap=True)
+    mma = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16")
+    bodies = BODIES if causal else 1
+    per_body = d // 16 + d // 16  # Q·Kᵀ over head_dim, P̄·V over the key tile (block_k = d)
+    assert len(mma.findall(plain)) == bodies * per_body
+    firsts = 2 if causal else 1
+    assert len(mma.findall(ours)) == bodies * per_body + firsts * d // 16 + d // 16
+    assert set(mma.findall(ours)) == set(mma.findall(plain)) == {str(d)}
+    wait = "wgmma.wait_group.sync.aligned "
+    assert plain.count(wait + "1;") == 0 and ours.count(wait + "1;") == bodies
+
+
+def test_fwd_regs_change_only_the_register_requests():
+    """``Launch.mosaic_fwd_regs`` changes only the immediates of the forward's ``setmaxnreg``."""
+    plain, ours = (_fwd_module(128, regs=r) for r in (None, (240, 24)))
+    assert SETMAXNREG.findall(plain) == [("inc", "232"), ("dec", "40")]
+    assert SETMAXNREG.findall(ours) == [("inc", "240"), ("dec", "24")]
+    strip = lambda m: SETMAXNREG.sub(r"setmaxnreg.\1.sync.aligned.u32 N;", m)
+    assert strip(plain) == strip(ours)
