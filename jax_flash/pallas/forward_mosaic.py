@@ -104,8 +104,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
     compute_regs, producer_regs = regs or (COMPUTE_REGS, PRODUCER_REGS)
 
-    def _compute_plain(rows, qo, bounds):
-        lo, full_lo, full_hi, hi = bounds
+    def _compute_plain(rows, qo):
+        # tiles [lo, hi) hold what the rows see, [full_lo, full_hi) need no mask
+        lo, full_lo, full_hi, hi = tile.kv_tile_bounds(rows, ROWS_PER_WG, bk, nk, cfg)
         # warpgroup 1 starts one turn behind, so that the two alternate from the first tile
         pl.when(wg == 1)(take_turn)
 
@@ -187,13 +188,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)][...] = lse
         plgpu.wait_smem_to_gmem(0)
 
-    def _compute_overlapped(rows, qo, bounds):
+    def _compute_overlapped(rows, qo):
         """The compute warpgroup's walk under ``Launch.mosaic_fwd_overlap``. The carry holds
         acc already multiplied by this tile's α and the tile's P̄, whose P̄·V the next step
         issues beside its own Q·Kᵀ: acc·α + P̄·V as the plain step computes it, a step later.
         The turns are FlashAttention-3's: a warpgroup waits for its turn only to issue its two
         MMAs, then hands the turn over (``turn[w]``: warpgroup w's), warpgroup 0 first."""
-        lo, full_lo, full_hi, hi = bounds
+        lo, full_lo, full_hi, hi = tile.kv_tile_bounds(rows, ROWS_PER_WG, bk, nk, cfg)
         ring = lambda j: lax.rem(j - p_lo, stages)
 
         def pv_operand(p_bar):  # interpreted: no register operand of wgmma, P̄ through smem
@@ -307,12 +308,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         plgpu.set_max_registers(compute_regs, action="increase")
         qo = qo_smem.at[wg]
         rows = row0 + wg * ROWS_PER_WG
-        # tiles [lo, hi) hold what the rows see, [full_lo, full_hi) need no mask
-        bounds = tile.kv_tile_bounds(rows, ROWS_PER_WG, bk, nk, cfg)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head], qo,
                                 q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
-        (_compute_overlapped if overlap else _compute_plain)(rows, qo, bounds)
+        (_compute_overlapped if overlap else _compute_plain)(rows, qo)
 
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
