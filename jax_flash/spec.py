@@ -147,11 +147,6 @@ class Launch:
     # Q/dO and K/V tiles); None: the kernels' per-shape defaults. Only how far loads run ahead.
     mosaic_fwd_stages: int | None = None
     mosaic_bwd_stages: int | None = None
-    # Mosaic forward: issue tile j's Q·Kᵀ with tile j − 1's P̄·V, so that each warpgroup's softmax
-    # runs under its own P̄·V (FlashAttention-3's intra-warpgroup overlap); the same MMAs, in order
-    mosaic_fwd_overlap: bool = False
-    # Mosaic forward: (compute, producer) registers a thread, as mosaic_bwd_regs; None: (232, 40)
-    mosaic_fwd_regs: tuple[int, int] | None = None
     # Mosaic dK/dV kernel: issue V·dOᵀ before Pᵀ is computed and dV before dPᵀ is awaited, so the
     # tensor cores run under the exps; the same MMAs on the same operands, dK and dV summed in order
     mosaic_bwd_overlap: bool = False
@@ -174,15 +169,14 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("mosaic_fwd_overlap", "mosaic_bwd_overlap", "heavy_first"):
+        for name in ("mosaic_bwd_overlap", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_overlap and self.bwd_kernel == "mosaic_fused":
             raise ValueError("mosaic_bwd_overlap is a launch of the two-kernel Mosaic backward, "
                              "not of bwd_kernel='mosaic_fused'")
-        for name in ("mosaic_fwd_regs", "mosaic_bwd_regs"):
-            if getattr(self, name) is not None:
-                check_mosaic_regs(getattr(self, name), name)
+        if self.mosaic_bwd_regs is not None:
+            check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
         for name in ("bwd_block", "dq_block"):
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):
@@ -198,9 +192,8 @@ class Launch:
             raise ValueError(f"not launch fields: {unknown} (a launch may set only {sorted(names)};"
                              " tile sizes and numerics flags are arguments of the call)")
         kw = dict(entry)
-        for name in ("mosaic_fwd_regs", "mosaic_bwd_regs"):
-            if isinstance(kw.get(name), list):  # JSON has no tuples
-                kw[name] = tuple(kw[name])
+        if isinstance(kw.get("mosaic_bwd_regs"), list):  # JSON has no tuples
+            kw["mosaic_bwd_regs"] = tuple(kw["mosaic_bwd_regs"])
         for name in ("fwd", "bwd", "dq"):
             val = kw.get(name)
             if isinstance(val, dict):

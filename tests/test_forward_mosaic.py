@@ -154,18 +154,15 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     x = jnp.ones((1, 128, 1, 64), BF16)
     seen = []
 
-    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None, overlap=False, regs=None):
-        seen.append((q, k, v, cfg, o_dtype, stages, overlap, regs))
+    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None):
+        seen.append((q, k, v, cfg, o_dtype, stages))
         return jnp.full(q.shape, 3.0, o_dtype), jnp.zeros((1, 1, 128), jnp.float32)
 
     monkeypatch.setattr(fm, "forward_mosaic", fake)
     pf.forward(x, x, x, cfg, jf.Launch(), o_dtype=BF16)
     assert not seen
-    launch = jf.Launch(fwd_kernel="mosaic", mosaic_fwd_stages=3, mosaic_fwd_overlap=True,
-                       mosaic_fwd_regs=(240, 24))
-    o, _ = pf.forward(x, x, x, cfg, launch, o_dtype=BF16)
-    assert len(seen) == 1 and all(a is x for a in seen[0][:3])
-    assert seen[0][3:] == (cfg, BF16, 3, True, (240, 24))
+    o, _ = pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_stages=3), o_dtype=BF16)
+    assert len(seen) == 1 and all(a is x for a in seen[0][:3]) and seen[0][3:] == (cfg, BF16, 3)
     assert np.all(f64(o) == 3)
 
 
@@ -175,13 +172,13 @@ needs_interpreter = pytest.mark.skipif(
     reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
 
 
-def _interpreted(q, k, v, cfg, stages=None, **launch):
+def _interpreted(q, k, v, cfg, stages=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     # compiled once per test (the race detector runs inside it too)
     o, lse = jitted(fm.forward_mosaic, q, k, v, cfg=cfg, o_dtype=q.dtype, interpret=interpret_params(),
-                    stages=stages, **launch)
+                    stages=stages)
     jax.block_until_ready((o, lse))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return o, lse
@@ -325,34 +322,6 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     cfg = make_cfg(shape[1], shape[-1], causal=True, stable=True, block_k=64)
     base = _interpreted(q, k, v, cfg)
     chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, stages=2), base)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("case", [
-    dict(shape=(1, 256, 2, 64), block_k=64, causal=True, stable=False, stages=2),
-    dict(shape=(1, 512, 1, 128), block_k=128, causal=False, stable=True, stages=2),
-    dict(shape=(1, 384, 1, 128), block_k=128, causal=True, stable=True, stages=3),
-    dict(shape=(1, 384, 1, 64), block_k=64, causal=True, stable=True, window=(100, 30),
-         stages=2),
-    dict(shape=(1, 384, 1, 64), block_k=64, causal=False, stable=True, window=(64, 64)),
-    dict(shape=(1, 384, 2, 64), block_k=64, causal=False, stable=False, n=300)],
-    ids=["causal-d64-ring2", "full-d128-ring2", "causal-d128-ring3", "window-100-30",
-         "window-64-64", "padded-300"])
-def test_interpreted_overlap_changes_no_bit(rng, case):
-    """``Launch.mosaic_fwd_overlap`` (tile j's Q·Kᵀ issued with tile j − 1's P̄·V, turns handed
-    over as FlashAttention-3 does) only moves when the MMAs run: O and L bitwise the plain walk's,
-    races checked, through the first tile's masked or unmasked start (causal rows, windows, a
-    padded length), the tiles a warpgroup only releases, and rings of 2 that reuse their slots
-    (a slot released before its P̄·V was read is a race)."""
-    case = dict(case)
-    shape, n, stages = case.pop("shape"), case.pop("n", None), case.pop("stages", None)
-    window = case.pop("window", None)
-    q, k, v = tied_inputs(rng, shape, score=20.0, pairs=((3, 5), (130, 140)))
-    cfg = make_cfg(n or shape[1], shape[-1], **case)
-    if window is not None:
-        cfg = dataclasses.replace(cfg, window=window)
-    plain = _interpreted(q, k, v, cfg, stages=stages)
-    chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, stages=stages, overlap=True), plain)
 
 
 def test_ring_that_cannot_fit_or_run_raises():

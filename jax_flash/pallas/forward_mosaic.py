@@ -7,14 +7,10 @@ owns 128 query rows: two compute warpgroups of 64 rows each (wgmma's M) and one 
 that streams the key tiles K_j, V_j for both, in order, only those its rows see (the causal
 diagonal, a window's edges: ``tile.kv_tile_bounds``); under GQA a query head reads its group's K, V.
 
-The two compute warpgroups take turns ("ping-pong", as in FlashAttention-3): one's softmax runs
-while the other's MMAs use the tensor cores. ``Launch.mosaic_fwd_overlap`` also pipelines each
-warpgroup's own loop (FlashAttention-3's intra-warpgroup overlap): tile j's Q·Kᵀ and tile j − 1's
-P̄·V are issued together, so that the softmax of tile j runs under its own warpgroup's P̄·V; the
-same products on the same operands, accumulated in the same order, so no value changes. Chosen by
-``Launch.fwd_kernel == "mosaic"`` (the tuning table or the caller); ``jax_flash.plan`` runs the
-Triton kernel instead where ``check`` says this one does not cover the call, or raises if the
-caller asked for it.
+The two compute warpgroups take turns ("ping-pong", as in FlashAttention-3): one's softmax runs while
+the other's MMAs use the tensor cores. Chosen by ``Launch.fwd_kernel == "mosaic"`` (the tuning table
+or the caller); ``jax_flash.plan`` runs the Triton kernel instead where ``check`` says this one does
+not cover the call, or raises if the caller asked for it.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
@@ -77,7 +73,7 @@ def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: int, stages: int,
-            interpret: bool, overlap: bool = False, regs=None):
+            interpret: bool):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -102,11 +98,16 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-    compute_regs, producer_regs = regs or (COMPUTE_REGS, PRODUCER_REGS)
-
-    def _compute_plain(rows, qo):
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        qo = qo_smem.at[wg]
+        rows = row0 + wg * ROWS_PER_WG
         # tiles [lo, hi) hold what the rows see, [full_lo, full_hi) need no mask
         lo, full_lo, full_hi, hi = tile.kv_tile_bounds(rows, ROWS_PER_WG, bk, nk, cfg)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head], qo,
+                                q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
         # warpgroup 1 starts one turn behind, so that the two alternate from the first tile
         pl.when(wg == 1)(take_turn)
 
@@ -121,7 +122,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            m_new, l_new, alpha, p_bar = softmax(rows, j, s, carry, masked)
+            if not cfg.scale_late:  # tile.forward_scores for "fa2"
+                s = s * cfg.score_scale
+            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, bk, cfg) if masked else None
+            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
+                                                                floor=tile.floor_positive)
             acc = carry.acc * alpha[:, None]  # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
             if PINGPONG:
                 plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
@@ -169,16 +174,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
                                           masked_last=cfg.causal or cfg.window is not None
                                           or cfg.kv_len % bk != 0)
         pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
-        store(rows, qo, carry)
 
-    def softmax(rows, j, s, carry, masked: bool):
-        """Tile j's online-softmax update from its scores: (m, ℓ, α, P̄)."""
-        if not cfg.scale_late:  # tile.forward_scores for "fa2"
-            s = s * cfg.score_scale
-        mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, bk, cfg) if masked else None
-        return tile.softmax_update(carry, s, mask, cfg, floor=tile.floor_positive)[:4]
-
-    def store(rows, qo, carry):
         o, lse = tile.finish(carry, cfg)
         qo[...] = o.astype(qo.dtype)
         plgpu.commit_smem()
@@ -188,141 +184,15 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)][...] = lse
         plgpu.wait_smem_to_gmem(0)
 
-    def _compute_overlapped(rows, qo):
-        """The compute warpgroup's walk under ``Launch.mosaic_fwd_overlap``. The carry holds
-        acc already multiplied by this tile's α and the tile's P̄, whose P̄·V the next step
-        issues beside its own Q·Kᵀ: acc·α + P̄·V as the plain step computes it, a step later.
-        The turns are FlashAttention-3's: a warpgroup waits for its turn only to issue its two
-        MMAs, then hands the turn over (``turn[w]``: warpgroup w's), warpgroup 0 first."""
-        lo, full_lo, full_hi, hi = tile.kv_tile_bounds(rows, ROWS_PER_WG, bk, nk, cfg)
-        ring = lambda j: lax.rem(j - p_lo, stages)
-
-        def pv_operand(p_bar):  # interpreted: no register operand of wgmma, P̄ through smem
-            if not interpret:
-                return p_bar
-            p_smem.at[wg][...] = p_bar
-            plgpu.commit_smem()
-            return p_smem.at[wg]
-
-        def step(j, state, masked: bool, first: bool = False):
-            carry, p_prev = state
-            slot, prev = ring(j), ring(j - 1)
-            plgpu.barrier_wait(k_ready.at[slot])
-            if not first:
-                plgpu.barrier_wait(v_ready.at[prev])
-                p_op = pv_operand(p_prev)
-            plgpu.barrier_wait(turn.at[wg])
-
-            def issue_then_softmax(s_ref, pv_ref):
-                plgpu.wgmma(s_ref, qo, k_smem.at[slot].T)
-                if not first:
-                    plgpu.wgmma(pv_ref, p_op, v_smem.at[prev])
-                plgpu.barrier_arrive(turn.at[1 - wg])
-                # groups retire in issue order: with P̄·V left in flight, the scores are complete
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
-                plgpu.barrier_arrive(k_free.at[slot])
-                return softmax(rows, j, s, carry, masked)
-
-            s_acc = plgpu.ACC((ROWS_PER_WG, bk), jnp.float32)
-            if interpret:  # zero accumulators only: acc + P̄·V after the MMA, tile.py's sum
-                def scoped(s_ref, pv_ref):
-                    out = issue_then_softmax(s_ref, pv_ref)
-                    return out if first else (*out, pv_ref[...])
-
-                out = pl.run_scoped(scoped, s_acc, plgpu.ACC((ROWS_PER_WG, d), jnp.float32))
-                acc = carry.acc if first else carry.acc + out[4]
-                out = out[:4]
-            else:  # acc·α as the P̄·V accumulator, as the plain step's
-                def body(refs):
-                    s_ref, acc_ref, out_refs = refs
-                    for ref, x in zip(out_refs, issue_then_softmax(s_ref, acc_ref)):
-                        ref[...] = x
-
-                zeros = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, bk), jnp.float32),
-                                          plgpu.Layout.WGMMA)
-                placeholders = (carry.m, carry.l, carry.m,
-                                jnp.zeros((ROWS_PER_WG, bk), cfg.policy.p_dtype))
-                # run_state waits for both MMAs (wait_group 0) before handing acc back
-                _, acc, out = pl.run_state(body)(
-                    (plgpu.ACC.init(zeros), plgpu.ACC.init(carry.acc), placeholders))
-            m_new, l_new, alpha, p_bar = out
-            if not first:
-                plgpu.barrier_arrive(v_free.at[prev])
-            return tile.Carry(m_new, l_new, acc * alpha[:, None], None), p_bar
-
-        def skip(j, _):  # a tile only the other warpgroup sees: release it, pass the turn on
-            slot = ring(j)
-            for ready, free in ((k_ready, k_free), (v_ready, v_free)):
-                plgpu.barrier_wait(ready.at[slot])
-                plgpu.barrier_arrive(free.at[slot])
-            plgpu.barrier_wait(turn.at[wg])
-            plgpu.barrier_arrive(turn.at[1 - wg])
-
-        def last_pv(state):  # the last tile's P̄·V, which no next step issues
-            carry, p_bar = state
-            slot = ring(hi - 1)
-            plgpu.barrier_wait(v_ready.at[slot])
-            p_op = pv_operand(p_bar)
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
-
-            if interpret:
-                def scoped(acc_ref):
-                    pv(acc_ref)
-                    return acc_ref[...]
-
-                acc = carry.acc + pl.run_scoped(scoped, plgpu.ACC((ROWS_PER_WG, d), jnp.float32))
-            else:
-                acc = pl.run_state(pv)(plgpu.ACC.init(carry.acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return carry._replace(acc=acc)
-
-        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))  # warpgroup 0 issues first
-        windowed = cfg.window is not None
-        if windowed:
-            lax.fori_loop(p_lo, lo, skip, None)
-        # the first tile a warpgroup sees starts the pipeline, masked where the plain walk masks it
-        masked_last = cfg.causal or windowed or cfg.kv_len % bk != 0
-        state = (tile.init_carry(ROWS_PER_WG, d, cfg), None)
-        first = lambda masked: lambda: step(lo, state, masked=masked, first=True)
-        if masked_last:
-            state = lax.cond((lo < full_lo) | (lo >= full_hi), first(True), first(False))
-        else:  # lo = full_lo = 0 < full_hi
-            state = first(False)()
-        after = lambda x: jnp.maximum(x, lo + 1)
-        if windowed:
-            state = lax.fori_loop(lo + 1, full_lo, functools.partial(step, masked=True), state)
-        state = lax.fori_loop(after(full_lo), full_hi, functools.partial(step, masked=False),
-                              state)
-        if masked_last:
-            state = lax.fori_loop(after(full_hi), hi, functools.partial(step, masked=True), state)
-        carry = last_pv(state)
-        if masked_last:
-            lax.fori_loop(hi, p_hi, skip, None)
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))  # warpgroup 1's last hand-over
-        store(rows, qo, carry)
-
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-        plgpu.set_max_registers(compute_regs, action="increase")
-        qo = qo_smem.at[wg]
-        rows = row0 + wg * ROWS_PER_WG
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head], qo,
-                                q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
-        (_compute_overlapped if overlap else _compute_plain)(rows, qo)
-
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
         # GQA: the group's query heads read their key/value head, never a copy
         produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                   (v_smem, v_ready, v_free), stages, program_steps, producer_regs, first=p_lo)
+                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
 
 
-def forward_scratch(bk, d, dtype, stages, overlap=False):
-    """The forward's compiled shared-memory scratch: a K/V ring of ``stages`` tiles of ``bk`` keys;
-    ``overlap``: the turns of ``Launch.mosaic_fwd_overlap``, one barrier per warpgroup."""
+def forward_scratch(bk, d, dtype, stages):
+    """The forward's compiled shared-memory scratch: a K/V ring of ``stages`` tiles of ``bk`` keys."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
     return (
@@ -334,20 +204,15 @@ def forward_scratch(bk, d, dtype, stages, overlap=False):
         plgpu.Barrier(num_barriers=stages),  # V_j arrived
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
-        # the ping-pong turn: both warpgroups meet; overlapped, turn[w] is warpgroup w's
-        plgpu.Barrier(num_barriers=COMPUTE_WGS) if overlap
-        else plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the ping-pong turn
     )
 
 
-def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None,
-                   overlap=False, regs=None):
+def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
-    tests only). Launch fields, none of which changes a value: ``stages``, the depth of the K/V
-    ring (``Launch.mosaic_fwd_stages``, ≥ 2; None: ``STAGES``); ``overlap``,
-    ``Launch.mosaic_fwd_overlap`` (``_kernel``'s ``_compute_overlapped``); ``regs``,
-    ``Launch.mosaic_fwd_regs``, the (compute, producer) registers a thread (None: (232, 40))."""
+    tests only). ``stages``: the depth of the K/V ring (``Launch.mosaic_fwd_stages``, ≥ 2; None:
+    ``STAGES``), which changes no value."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
                                and q.dtype == k.dtype == v.dtype):
@@ -361,14 +226,12 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     if nk < 2:
         raise ValueError(f"the Mosaic GPU forward needs ≥ 2 key tiles, got {nk}")
     layout = mosaic_common.swizzled()
-    overlap = bool(overlap)
-    scratch_of = lambda n: forward_scratch(bk, d, q.dtype, n, overlap)
-    stages = mosaic_common.ring_stages(scratch_of, stages, STAGES[bk], nk, "forward", least=2)
-    scratch = scratch_of(stages)
+    stages = mosaic_common.ring_stages(lambda n: forward_scratch(bk, d, q.dtype, n), stages,
+                                       STAGES[bk], nk, "forward", least=2)
+    scratch = forward_scratch(bk, d, q.dtype, stages)
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
-    body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, overlap=overlap, regs=regs)
+    body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages, interpret=interpret is not None)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,
