@@ -65,9 +65,7 @@ def backward_candidates(fwd: jf.Launch) -> list[jf.Launch]:
     return ([plus(bwd=ws, prefetch_rows=pr) for ws in LAUNCHES for pr in (False, True)]
             + [plus(bwd_kernel="mosaic_dkdv", bwd=ws) for ws in LAUNCHES]  # ws: the Triton dQ's
             + [plus(bwd_kernel="mosaic", mosaic_bwd_stages=n) for n in (None, *MOSAIC_STAGES)]
-            + [plus(bwd_kernel="mosaic", mosaic_bwd_regs=r) for r in MOSAIC_REGS]
-            # dQ inside the dK/dV kernel (causal, head_dim 128: elsewhere skipped as not covered)
-            + [plus(bwd_kernel="mosaic_fused", mosaic_bwd_regs=r) for r in (None, *MOSAIC_REGS)])
+            + [plus(bwd_kernel="mosaic", mosaic_bwd_regs=r) for r in MOSAIC_REGS])
 
 
 def finalists(launches: list[jf.Launch]) -> list[jf.Launch]:
@@ -75,7 +73,7 @@ def finalists(launches: list[jf.Launch]) -> list[jf.Launch]:
     out = []
     for launch in launches:
         out.append(launch)
-        if launch.fwd_kernel == "triton" or launch.bwd_kernel not in ("mosaic", "mosaic_fused"):
+        if launch.fwd_kernel == "triton" or launch.bwd_kernel != "mosaic":
             out.append(dataclasses.replace(launch, split_diagonal=True))
     return list(dict.fromkeys(out))
 
