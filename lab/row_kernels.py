@@ -6,16 +6,18 @@ step's shapes, variants interleaved in one process.
     python -m lab.row_kernels --from-json FILE.json     # the table again (any machine)
 
 A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
-- ``ln-bwd``: ``models.layernorm``'s fused residual-addition backward, ``[tokens, 768]`` (keys:
-  ``sub``, rows a step of its loop; ``warps``; ``stages``, Triton's pipeline depth);
+- ``ln-fwd``, ``ln-bwd``: ``models.layernorm``'s fused residual addition and LayerNorm, forward
+  and backward, ``[tokens, 768]`` (keys: ``rows``, rows a program; ``sub``, rows a step of its
+  loop; ``warps``; ``stages``, Triton's pipeline depth);
 - ``ce-fwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, and the statistics and
   gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
   ``rows``, ``chunk``, ``warps``, ``stages``);
 - ``gelu-fwd``, ``gelu-bwd``: ``models.gelu_kernels`` (the erf-form GELU and its input
   gradient) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``warps``; elementwise: no value changes);
 - ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
-  ``xla-ln-bwd``: XLA's LayerNorm backward after a residual addition, ``xla-gelu-fwd`` and
-  ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its gradient.
+  ``xla-ln-fwd``, ``xla-ln-bwd``: XLA's residual addition and LayerNorm, forward and backward,
+  ``xla-gelu-fwd`` and ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its
+  gradient.
 Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub`` and ``warps`` change the
 order of FP32 sums (the reduction tree follows the layout), so a kernel's constant is chosen by
 such a run and then fixed; ``stages`` does not change a value.
@@ -67,21 +69,32 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
     # inputs made once per shape: every variant of a kind reads the same arrays (and the device
     # holds one copy of the 3.3 GB logits, not one a variant)
     cached = functools.partial(_cached, tokens)
-    if kind in ("ln-bwd", "xla-ln-bwd"):
+    if kind in ("ln-bwd", "xla-ln-bwd", "ln-fwd", "xla-ln-fwd"):
         s, r, w, dy, gs = cached("ln", lambda: (
             jax.random.normal(k1, (tokens, D_MODEL), jnp.float32),
             jax.random.normal(k2, (tokens, D_MODEL), jnp.bfloat16),
             1.0 + 0.1 * jax.random.normal(k3, (D_MODEL,), jnp.float32),
             jax.random.normal(k4, (tokens, D_MODEL), jnp.bfloat16),
             jax.random.normal(k1, (tokens, D_MODEL), jnp.float32)))
+        launch = {k: v for k, v in kw.items() if k in ("rows", "sub", "warps", "stages")}
+        if kind in ("ln-fwd", "xla-ln-fwd"):
+            moved = tokens * D_MODEL * (4 + 2 + 4 + 2)  # x, r in; s, y out
+            if kind == "ln-fwd":
+                f = jax.jit(functools.partial(layernorm._add_forward, eps=1e-5,
+                                              out_dtype=jnp.dtype(jnp.bfloat16), **launch))
+                return f, (s, r, w), moved
+
+            def xla_fwd(x, r, w):
+                t = x + r.astype(jnp.float32)
+                return t, _xla_ln(t, w).astype(jnp.bfloat16)
+
+            return jax.jit(xla_fwd), (s, r, w), moved
         moved = tokens * D_MODEL * (4 + 2 + 4 + 4 + 2)  # s, dy, gs in; ds, dr out
         if kind == "ln-bwd":
             _, _, mean, rstd = jax.jit(layernorm._add_forward, static_argnums=(3, 4))(
                 s, r, w, 1e-5, jnp.dtype(jnp.bfloat16))
-            sub = kw.get("sub", layernorm.BWD_SUB_ROWS)
-            f = jax.jit(functools.partial(layernorm._add_backward, r_dtype=jnp.bfloat16, sub=sub,
-                                          warps=kw.get("warps", layernorm.BWD_NUM_WARPS),
-                                          stages=kw.get("stages", layernorm.BWD_NUM_STAGES)))
+            f = jax.jit(functools.partial(layernorm._add_backward, r_dtype=jnp.bfloat16,
+                                          **launch))
             return f, (s, w, mean, rstd, dy, gs), moved
 
         def xla(x, r, w, dy, gs):

@@ -30,11 +30,17 @@ from jax.experimental import pallas as pl
 
 from jax_flash.pallas.common import interpret_mode as _interpret
 
-BLOCK_ROWS = 16  # rows per program
-BWD_SUB_ROWS = 4  # the backward's rows per step (faster than 2, 8 or two loops: lab.row_kernels)
+# Launch constants, chosen by lab.row_kernels on an H200. Rows a program, rows a step of its loop
+# and warps set the layout the row sums are reduced in, so they are numerics, fixed here for every
+# device; stages (how far Triton's pipeliner loads the loop's rows ahead) changes no value.
+BLOCK_ROWS = 16  # the forward's rows per program
+FWD_SUB_ROWS = 16  # the forward's rows per step (all of a program's: no loop)
 NUM_WARPS = 4
-BWD_NUM_WARPS = 2  # the backward's (faster than 4 or 8 there); the warps set its sums' order
-BWD_NUM_STAGES = 1  # how far Triton's pipeliner loads the backward's rows ahead: no value changes
+FWD_NUM_STAGES = 1
+BWD_BLOCK_ROWS = 16  # the backward's rows per program
+BWD_SUB_ROWS = 4  # the backward's rows per step (faster than 2, 8 or two loops: lab.row_kernels)
+BWD_NUM_WARPS = 2  # the backward's (faster than 4 or 8 there)
+BWD_NUM_STAGES = 1
 
 
 def triton_params(num_warps: int = NUM_WARPS, num_stages: int = 1):
@@ -62,35 +68,55 @@ def rows_per_program(n: int, most: int = BLOCK_ROWS) -> int:
     return br
 
 
-def _chunks(ref, d, c):
-    return [ref[:, pl.ds(i * c, c)] for i in range(d // c)]
+def _chunks(ref, d, c, rows):
+    return [ref[rows, pl.ds(i * c, c)] for i in range(d // c)]
 
 
-def _fwd_kernel(x_ref, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps: float):
-    _normalize([x.astype(jnp.float32) for x in _chunks(x_ref, d, c)], w_ref, y_ref, mean_ref,
-               rstd_ref, d=d, c=c, eps=eps)
+def _fwd_kernel(x_ref, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps: float,
+                sub: int):
+    def step(rows):
+        xs = [x.astype(jnp.float32) for x in _chunks(x_ref, d, c, rows)]
+        _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, rows, d=d, c=c, eps=eps)
+
+    _row_steps(mean_ref.shape[0], sub, step)
 
 
 def _add_fwd_kernel(x_ref, r_ref, w_ref, s_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int,
-                    eps: float):
-    # s = x + r as XLA adds them (r upcast first), written once and normalised from registers
-    xs = [x.astype(jnp.float32) + r.astype(jnp.float32)
-          for x, r in zip(_chunks(x_ref, d, c), _chunks(r_ref, d, c))]
-    for i, x in enumerate(xs):
-        s_ref[:, pl.ds(i * c, c)] = x.astype(s_ref.dtype)
-    _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, d=d, c=c, eps=eps)
+                    eps: float, sub: int):
+    def step(rows):  # s = x + r as XLA adds them (r upcast first), written once, normalised in place
+        xs = [x.astype(jnp.float32) + r.astype(jnp.float32)
+              for x, r in zip(_chunks(x_ref, d, c, rows), _chunks(r_ref, d, c, rows))]
+        for i, x in enumerate(xs):
+            s_ref[rows, pl.ds(i * c, c)] = x.astype(s_ref.dtype)
+        _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, rows, d=d, c=c, eps=eps)
+
+    _row_steps(mean_ref.shape[0], sub, step)
 
 
-def _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps: float):
+def _row_steps(br: int, sub: int, step):
+    """``step(rows)`` over a program's ``br`` rows, ``sub`` at a time (both powers of two; a
+    program of no more than ``sub`` rows is one step, without a loop)."""
+    if sub >= br:
+        step(pl.ds(0, br))
+        return
+
+    def body(r, carry):
+        step(pl.ds(pl.multiple_of(r * sub, sub), sub))
+        return carry
+
+    lax.fori_loop(0, br // sub, body, 0)
+
+
+def _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, rows, *, d: int, c: int, eps: float):
     mean = sum(jnp.sum(x, axis=1) for x in xs) / d
     cs = [x - mean[:, None] for x in xs]
     var = sum(jnp.sum(v * v, axis=1) for v in cs) / d
     rstd = lax.rsqrt(var + eps)
     for i, v in enumerate(cs):
         w = w_ref[pl.ds(i * c, c)].astype(jnp.float32)
-        y_ref[:, pl.ds(i * c, c)] = (v * rstd[:, None] * w[None, :]).astype(y_ref.dtype)
-    mean_ref[...] = mean
-    rstd_ref[...] = rstd
+        y_ref[rows, pl.ds(i * c, c)] = (v * rstd[:, None] * w[None, :]).astype(y_ref.dtype)
+    mean_ref[rows] = mean
+    rstd_ref[rows] = rstd
 
 
 def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: int, c: int,
@@ -168,39 +194,50 @@ def row_call(kernel, n: int, d: int, ins, outs, name: str, *args, rows: int = BL
 F32 = jnp.float32
 
 
-def _forward(x2, w, eps, out_dtype):
-    n, d = x2.shape
-    kernel = functools.partial(_fwd_kernel, d=d, c=chunk_width(d), eps=eps)
-    return row_call(kernel, n, d, ("row", "scale"), (("row", out_dtype), ("vec", F32), ("vec", F32)),
-                 "model_layernorm_fwd", x2, w)
+FWD = dict(rows=BLOCK_ROWS, sub=FWD_SUB_ROWS, warps=NUM_WARPS, stages=FWD_NUM_STAGES)
+BWD = dict(rows=BWD_BLOCK_ROWS, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS, stages=BWD_NUM_STAGES)
 
 
-def _backward(x2, w, mean, rstd, dy2, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS,
-              stages=BWD_NUM_STAGES):
+def _launch(kernel, defaults, given, n, d, *ins_outs_name_args, **static):
+    """``row_call`` of ``kernel`` with the launch ``defaults`` (FWD or BWD) updated by ``given``
+    (lab.row_kernels' variants)."""
+    unknown = set(given) - set(defaults)
+    if unknown:
+        raise TypeError(f"unknown launch settings {sorted(unknown)}; known: {sorted(defaults)}")
+    launch = {**defaults, **given}
+    kernel = functools.partial(kernel, d=d, c=chunk_width(d), sub=launch["sub"], **static)
+    return row_call(kernel, n, d, *ins_outs_name_args, rows=launch["rows"],
+                    num_warps=launch["warps"], num_stages=launch["stages"])
+
+
+def _forward(x2, w, eps, out_dtype, **launch):
     n, d = x2.shape
-    kernel = functools.partial(_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
-    dx, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row"),
-                         (("row", x2.dtype), ("part", F32)), "model_layernorm_bwd",
-                         x2, w, mean, rstd, dy2, num_warps=warps, num_stages=stages)
+    return _launch(_fwd_kernel, FWD, launch, n, d, ("row", "scale"),
+                   (("row", out_dtype), ("vec", F32), ("vec", F32)), "model_layernorm_fwd", x2, w,
+                   eps=eps)
+
+
+def _backward(x2, w, mean, rstd, dy2, **launch):
+    n, d = x2.shape
+    dx, dw_parts = _launch(_bwd_kernel, BWD, launch, n, d, ("row", "scale", "vec", "vec", "row"),
+                           (("row", x2.dtype), ("part", F32)), "model_layernorm_bwd",
+                           x2, w, mean, rstd, dy2)
     return dx, jnp.sum(dw_parts, axis=0)
 
 
-def _add_forward(x2, r2, w, eps, out_dtype):
+def _add_forward(x2, r2, w, eps, out_dtype, **launch):
     n, d = x2.shape
-    kernel = functools.partial(_add_fwd_kernel, d=d, c=chunk_width(d), eps=eps)
-    return row_call(kernel, n, d, ("row", "row", "scale"),
-                 (("row", x2.dtype), ("row", out_dtype), ("vec", F32), ("vec", F32)),
-                 "model_add_layernorm_fwd", x2, r2, w)
+    return _launch(_add_fwd_kernel, FWD, launch, n, d, ("row", "row", "scale"),
+                   (("row", x2.dtype), ("row", out_dtype), ("vec", F32), ("vec", F32)),
+                   "model_add_layernorm_fwd", x2, r2, w, eps=eps)
 
 
-def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS,
-                  stages=BWD_NUM_STAGES):
+def _add_backward(s2, w, mean, rstd, dy2, gs2, r_dtype, **launch):
     n, d = s2.shape
-    kernel = functools.partial(_add_bwd_kernel, d=d, c=chunk_width(d), sub=sub)
-    ds, dr, dw_parts = row_call(kernel, n, d, ("row", "scale", "vec", "vec", "row", "row"),
-                             (("row", s2.dtype), ("row", r_dtype), ("part", F32)),
-                             "model_add_layernorm_bwd", s2, w, mean, rstd, dy2, gs2,
-                             num_warps=warps, num_stages=stages)
+    ds, dr, dw_parts = _launch(_add_bwd_kernel, BWD, launch, n, d,
+                               ("row", "scale", "vec", "vec", "row", "row"),
+                               (("row", s2.dtype), ("row", r_dtype), ("part", F32)),
+                               "model_add_layernorm_bwd", s2, w, mean, rstd, dy2, gs2)
     return ds, dr, jnp.sum(dw_parts, axis=0)
 
 

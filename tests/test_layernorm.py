@@ -46,6 +46,34 @@ def test_matches_float64_within_the_sums_bounds(rng, assert_close, n, d, offset)
     x, w, dy = _inputs(rng, n, d, offset)
     y, dx, dw = _grads(layer_norm, *(jnp.asarray(a, jnp.float32) for a in (x, w)),
                        jnp.asarray(dy, jnp.float32))
+    _assert_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw)
+
+
+# rows a program, rows a step of its loop (fewer than the program's: a loop), warps
+LAUNCHES = [dict(rows=64, sub=8), dict(rows=32, sub=4, warps=8), dict(rows=16, sub=2, warps=2),
+            dict(rows=128, sub=128)]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda v: ";".join(f"{k}={x}" for k, x in v.items()))
+def test_every_launch_matches_float64_within_the_sums_bounds(rng, assert_close, launch):
+    """Another launch sums in another order, within the same bounds; the forward's loop steps and
+    the backward's partial sums of d(scale) over programs of other sizes."""
+    n, d = 256, 768
+    x, w, dy = _inputs(rng, n, d, 3.0)
+    x32, w32, dy32 = (jnp.asarray(a, jnp.float32) for a in (x, w, dy))
+    y, mean, rstd = layernorm._forward(x32, w32, EPS, jnp.dtype(jnp.float32), **launch)
+    dx, dw = layernorm._backward(x32, w32, mean, rstd, dy32, **launch)
+    _assert_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw)
+
+
+def test_an_unknown_launch_setting_is_an_error():
+    x = jnp.ones((16, 96), jnp.float32)
+    with pytest.raises(TypeError, match="unknown launch settings \\['row'\\]"):
+        layernorm._forward(x, jnp.ones(96), EPS, jnp.dtype(jnp.float32), row=8)
+
+
+def _assert_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw):
+    n, d = x.shape
     y_ref, dx_ref, dw_ref, xhat, rstd, g = _reference(x, w, dy)
     # a sum of d FP32 terms errs by at most d·u of the sum of their magnitudes; the mean's error
     # enters x − mean, amplified by 1/σ (|offset|·rstd)
