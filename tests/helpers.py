@@ -560,3 +560,65 @@ def jaxpr_eqns(jaxpr):
         yield e
         for sub in jaxprs_in_params(e.params):
             yield from jaxpr_eqns(sub)
+
+
+LN_EPS = 1e-5
+# LayerNorm launches beside the shipped one: rows a program, rows a step of its loop (fewer than
+# the program's: a loop), warps
+LN_LAUNCHES = [dict(rows=64, sub=8), dict(rows=32, sub=4, warps=8),
+               dict(rows=16, sub=2, warps=2), dict(rows=128, sub=128)]
+
+
+def launch_id(launch: dict) -> str:
+    return ";".join(f"{k}={v}" for k, v in launch.items())
+
+
+def ln_inputs(rng, n, d, offset=0.0):
+    """float64 x (scaled by 2, shifted by ``offset``), scale near 1, and a cotangent."""
+    x = rng.standard_normal((n, d)) * 2.0 + offset
+    w = 1.0 + 0.1 * rng.standard_normal(d)
+    dy = rng.standard_normal((n, d))
+    return x, w, dy
+
+
+def ln_reference(x, w, dy):
+    """float64 LayerNorm (no bias) and its exact gradient: y, dx, d(scale), x̂, 1/σ, dy·scale."""
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + LN_EPS)
+    xhat = (x - mean) * rstd
+    g = dy * w
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return xhat * w, dx, (dy * xhat).sum(0), xhat, rstd, g
+
+
+def assert_ln_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw):
+    """FP32 y, dx, d(scale) of float64 inputs against ``ln_reference``: a sum of d FP32 terms errs
+    by at most d·u of the sum of their magnitudes; the mean's error enters x − mean, amplified by
+    1/σ (|offset|·rstd)."""
+    n, d = x.shape
+    y_ref, dx_ref, dw_ref, xhat, rstd, g = ln_reference(x, w, dy)
+    amp = 1.0 + np.abs(x).mean(-1, keepdims=True) * rstd
+    y_bound = 4 * d * U32 * amp * (np.abs(xhat) + 1) * np.abs(w)
+    chex.assert_trees_all_equal_shapes_and_dtypes(y, jnp.zeros((n, d), jnp.float32))
+    assert_close(y, y_ref, y_bound, "y")
+    terms = np.abs(g) + np.abs(g).mean(-1, keepdims=True) + np.abs(xhat) * np.abs(g * xhat).mean(
+        -1, keepdims=True)
+    dx_bound = 8 * d * U32 * amp * (rstd * terms + np.abs(dx_ref))
+    assert_close(dx, dx_ref, dx_bound, "dx")
+    dw_bound = 8 * (n + d) * U32 * (amp * np.abs(dy) * (np.abs(xhat) + 1)).sum(0)
+    assert_close(dw, dw_ref, dw_bound, "dscale")
+
+
+def assert_ln_launch_within_the_sums_bounds(rng, assert_close, launch: dict):
+    """``models.layernorm``'s kernels under another launch (other programs, loop steps, warps: the
+    sums in another order, d(scale)'s partials over programs of another size) within the bounds of
+    ``assert_ln_within_the_sums_bounds``, 256 rows of GPT-2's width shifted by 3."""
+    from models import layernorm
+
+    n, d = 256, 768
+    x, w, dy = ln_inputs(rng, n, d, 3.0)
+    x32, w32, dy32 = (jnp.asarray(a, jnp.float32) for a in (x, w, dy))
+    y, mean, rstd = layernorm._forward(x32, w32, LN_EPS, jnp.dtype(jnp.float32), **launch)
+    dx, dw = layernorm._backward(x32, w32, mean, rstd, dy32, **launch)
+    assert_ln_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw)

@@ -16,8 +16,9 @@ import pytest
 
 import jax_flash as jf
 from jax_flash.pallas import tuning
-from helpers import (TINY, assert_add_layer_norm_is_the_pair, assert_gelu_erf_within_bound,
-                     assert_pallas_cross_entropy_within_bound,
+from helpers import (LN_LAUNCHES, TINY, assert_add_layer_norm_is_the_pair,
+                     assert_gelu_erf_within_bound, assert_ln_launch_within_the_sums_bounds,
+                     assert_pallas_cross_entropy_within_bound, launch_id,
                      fp32_cross_entropy_of_upcast, tied_inputs)
 
 pytestmark = pytest.mark.gpu
@@ -468,6 +469,27 @@ def test_gpu_layernorm_backward_stages_change_no_bit(stages):
     bwd = lambda st: jax.jit(lambda *a: layernorm._add_backward(
         *a, r_dtype=jnp.bfloat16, stages=st))(s, w, mean, rstd, dy, gs)
     chex.assert_trees_all_equal(bwd(stages), bwd(1))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpu_layernorm_forward_stages_change_no_bit(stages):
+    """The forward's loop (``rows`` a program, ``sub`` a step) loaded further ahead: the sum, the
+    normalised row, the mean and 1/σ bitwise those of one stage."""
+    from models import layernorm
+
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((4096, 768)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((4096, 768)), jnp.bfloat16)
+    w = jnp.asarray(1.0 + 0.1 * rng.standard_normal(768), jnp.float32)
+    fwd = lambda st: jax.jit(lambda *a: layernorm._add_forward(
+        *a, 1e-5, jnp.dtype(jnp.bfloat16), rows=64, sub=8, stages=st))(x, r, w)
+    chex.assert_trees_all_equal(fwd(stages), fwd(1))
+
+
+@pytest.mark.parametrize("launch", LN_LAUNCHES, ids=launch_id)
+def test_gpu_layernorm_every_launch_within_the_sums_bounds(rng, assert_close, launch):
+    """The CPU test's launches compiled for the GPU (Triton): within the same float64 bounds."""
+    assert_ln_launch_within_the_sums_bounds(rng, assert_close, launch)
 
 
 def test_gpu_add_layer_norm_is_the_pair():

@@ -8,30 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_add_layer_norm_is_the_pair
+from helpers import (LN_LAUNCHES, assert_add_layer_norm_is_the_pair,
+                     assert_ln_launch_within_the_sums_bounds, assert_ln_within_the_sums_bounds,
+                     launch_id, ln_inputs)
 from models import layernorm
 from models.layernorm import add_layer_norm, chunk_width, layer_norm
 
 U = 2.0 ** -24  # FP32 unit roundoff
 EPS = 1e-5
-
-
-def _inputs(rng, n, d, offset=0.0):
-    x = rng.standard_normal((n, d)) * 2.0 + offset
-    w = 1.0 + 0.1 * rng.standard_normal(d)
-    dy = rng.standard_normal((n, d))
-    return x, w, dy
-
-
-def _reference(x, w, dy):
-    """float64 LayerNorm and its exact gradient."""
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + EPS)
-    xhat = (x - mean) * rstd
-    g = dy * w
-    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
-    return xhat * w, dx, (dy * xhat).sum(0), xhat, rstd, g
 
 
 def _grads(fn, x, w, dy):
@@ -43,27 +27,16 @@ def _grads(fn, x, w, dy):
     (64, 768, 0.0), (48, 96, 0.0), (32, 768, 100.0), (2, 96, 0.0)],
     ids=["gpt2-width", "odd-chunks", "offset-100", "two-rows"])
 def test_matches_float64_within_the_sums_bounds(rng, assert_close, n, d, offset):
-    x, w, dy = _inputs(rng, n, d, offset)
+    x, w, dy = ln_inputs(rng, n, d, offset)
     y, dx, dw = _grads(layer_norm, *(jnp.asarray(a, jnp.float32) for a in (x, w)),
                        jnp.asarray(dy, jnp.float32))
-    _assert_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw)
+    assert_ln_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw)
 
 
-# rows a program, rows a step of its loop (fewer than the program's: a loop), warps
-LAUNCHES = [dict(rows=64, sub=8), dict(rows=32, sub=4, warps=8), dict(rows=16, sub=2, warps=2),
-            dict(rows=128, sub=128)]
-
-
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda v: ";".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("launch", LN_LAUNCHES, ids=launch_id)
 def test_every_launch_matches_float64_within_the_sums_bounds(rng, assert_close, launch):
-    """Another launch sums in another order, within the same bounds; the forward's loop steps and
-    the backward's partial sums of d(scale) over programs of other sizes."""
-    n, d = 256, 768
-    x, w, dy = _inputs(rng, n, d, 3.0)
-    x32, w32, dy32 = (jnp.asarray(a, jnp.float32) for a in (x, w, dy))
-    y, mean, rstd = layernorm._forward(x32, w32, EPS, jnp.dtype(jnp.float32), **launch)
-    dx, dw = layernorm._backward(x32, w32, mean, rstd, dy32, **launch)
-    _assert_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw)
+    """``helpers.assert_ln_launch_within_the_sums_bounds``, interpreted."""
+    assert_ln_launch_within_the_sums_bounds(rng, assert_close, launch)
 
 
 def test_an_unknown_launch_setting_is_an_error():
@@ -72,27 +45,10 @@ def test_an_unknown_launch_setting_is_an_error():
         layernorm._forward(x, jnp.ones(96), EPS, jnp.dtype(jnp.float32), row=8)
 
 
-def _assert_within_the_sums_bounds(assert_close, x, w, dy, y, dx, dw):
-    n, d = x.shape
-    y_ref, dx_ref, dw_ref, xhat, rstd, g = _reference(x, w, dy)
-    # a sum of d FP32 terms errs by at most d·u of the sum of their magnitudes; the mean's error
-    # enters x − mean, amplified by 1/σ (|offset|·rstd)
-    amp = 1.0 + np.abs(x).mean(-1, keepdims=True) * rstd
-    y_bound = 4 * d * U * amp * (np.abs(xhat) + 1) * np.abs(w)
-    chex.assert_trees_all_equal_shapes_and_dtypes(y, jnp.zeros((n, d), jnp.float32))
-    assert_close(y, y_ref, y_bound, "y")
-    terms = np.abs(g) + np.abs(g).mean(-1, keepdims=True) + np.abs(xhat) * np.abs(g * xhat).mean(
-        -1, keepdims=True)
-    dx_bound = 8 * d * U * amp * (rstd * terms + np.abs(dx_ref))
-    assert_close(dx, dx_ref, dx_bound, "dx")
-    dw_bound = 8 * (n + d) * U * (amp * np.abs(dy) * (np.abs(xhat) + 1)).sum(0)
-    assert_close(dw, dw_ref, dw_bound, "dscale")
-
-
 def test_agrees_with_flax_layernorm_and_rounds_to_the_output_dtype(rng):
     """The model's default LayerNorm (flax, two-pass variance) and this one give the same values to
     FP32 noise; asked for bf16, the output is the FP32 result rounded once."""
-    x, w, dy = _inputs(rng, 32, 768)
+    x, w, dy = ln_inputs(rng, 32, 768)
     ln = nnx.LayerNorm(768, epsilon=EPS, use_bias=False, dtype=jnp.float32, use_fast_variance=False,
                        rngs=nnx.Rngs(0))
     ln.scale[...] = jnp.asarray(w, jnp.float32)
@@ -106,7 +62,7 @@ def test_agrees_with_flax_layernorm_and_rounds_to_the_output_dtype(rng):
 
 def test_leading_axes_and_jit(rng):
     """[batch, seq, d] in, the same shape out, under jit, with the gradient in x's dtype."""
-    x, w, dy = _inputs(rng, 2 * 24, 96)
+    x, w, dy = ln_inputs(rng, 2 * 24, 96)
     x3 = jnp.asarray(x.reshape(2, 24, 96), jnp.float32)
     f = jax.jit(lambda x, w: layer_norm(x, w, EPS, jnp.bfloat16).astype(jnp.float32).sum())
     dx, dw = jax.grad(f, argnums=(0, 1))(x3, jnp.asarray(w, jnp.float32))
