@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 DEFAULT_VARIANTS = (
+    "ln-fwd,ln-fwd:rows=64;sub=8,xla-ln-fwd,"
     "ln-bwd,ln-bwd:warps=4,ln-bwd:sub=2,ln-bwd:sub=4;warps=8,ln-bwd:sub=8;warps=8,xla-ln-bwd,"
     "ce-fwd,ce-fwd:warps=2,ce-fwd:rows=2;warps=2,ce-fwd:chunk=512,ce-fwd:chunk=2048;warps=2,"
     "ce-fwd:stages=1,ce-fwd:stages=3,ce-fused,ce-fused:warps=2,ce-fused:rows=2;warps=2,"

@@ -28,9 +28,10 @@ def test_fused_kernel_is_the_statistics_kernel_and_the_gradient():
 
 
 def test_run_and_table(capsys):
-    res = rk.run(["ln-bwd:sub=4", "xla-ln-bwd", "gelu-bwd:rows=4", "no-such-kind"], tokens=16,
-                 rounds=1, reps=1)
-    assert [r["variant"] for r in res["records"]] == ["ln-bwd:sub=4", "xla-ln-bwd", "gelu-bwd:rows=4"]
+    ok = ["ln-bwd:sub=4", "ln-bwd:rows=8;sub=2", "xla-ln-bwd", "ln-fwd:rows=16;sub=4",
+          "xla-ln-fwd", "gelu-bwd:rows=4"]
+    res = rk.run(ok + ["no-such-kind"], tokens=16, rounds=1, reps=1)
+    assert [r["variant"] for r in res["records"]] == ok
     assert "no-such-kind" in res["failed"] and res["jax_version"] == jax.__version__
     text = rk.table(res)
     assert "`ln-bwd:sub=4`" in text and "failed" in text
