@@ -190,6 +190,51 @@ def run(variants, tokens, rounds, reps):
             "device": dev.device_kind, "records": recs, "failed": failed}
 
 
+# models.layernorm's constant for each launch key, forward and backward
+LN_CONSTANTS = {"ln-fwd": {"rows": "BLOCK_ROWS", "sub": "FWD_SUB_ROWS", "warps": "NUM_WARPS",
+                           "stages": "FWD_NUM_STAGES"},
+                "ln-bwd": {"rows": "BWD_BLOCK_ROWS", "sub": "BWD_SUB_ROWS",
+                           "warps": "BWD_NUM_WARPS", "stages": "BWD_NUM_STAGES"}}
+
+
+def pick(results, kind: str, margin: float = 0.03):
+    """The variant of ``kind`` whose worst speed-up over the shipped launch (the bare ``kind``)
+    across ``results`` (runs at several token counts) is largest, if that is at least ``1 +
+    margin``: (spec, its whole launch, worst speed-up per run); else None. Variants missing from
+    a run do not count."""
+    from models import layernorm
+
+    shipped = layernorm.FWD if kind == "ln-fwd" else layernorm.BWD
+    ms = [{r["variant"]: r["ms"] for r in res["records"]} for res in results]
+    if not all(kind in m for m in ms):
+        raise ValueError(f"pick: every run needs the shipped variant {kind!r}")
+    best = None
+    for spec in ms[0]:
+        if parse(spec)[0] != kind or spec == kind or not all(spec in m for m in ms):
+            continue
+        gains = [m[kind] / m[spec] for m in ms]
+        if best is None or min(gains) > min(best[2]):
+            best = (spec, {**shipped, **parse(spec)[1]}, gains)
+    if best is None or min(best[2]) < 1 + margin:
+        return None
+    return best
+
+
+def write_ln_constants(kind: str, launch: dict, path=None) -> str:
+    """Rewrite ``models/layernorm.py``'s constants of ``kind`` to ``launch``; returns the text."""
+    import re
+    from pathlib import Path
+
+    path = Path(path or Path(__file__).resolve().parents[1] / "models" / "layernorm.py")
+    text = path.read_text()
+    for key, name in LN_CONSTANTS[kind].items():
+        text, n = re.subn(rf"^{name} = \d+", f"{name} = {int(launch[key])}", text, flags=re.M)
+        if n != 1:
+            raise ValueError(f"{name} is not assigned once in {path}")
+    path.write_text(text)
+    return text
+
+
 def table(res) -> str:
     lines = [f"Row kernels alone, {res['tokens']} tokens, {res['device']}, jax {res['jax_version']}"
              f" (median of {res['rounds']} rounds of {res['reps']} calls)", "",
@@ -210,9 +255,29 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out")
     ap.add_argument("--from-json")
+    ap.add_argument("--pick", nargs="+", metavar="FILE.json",
+                    help="runs at several token counts: the LayerNorm launches faster than the "
+                         "shipped ones in every run by --margin (no GPU)")
+    ap.add_argument("--margin", type=float, default=0.03)
+    ap.add_argument("--write", action="store_true",
+                    help="with --pick: write them into models/layernorm.py's constants")
     args = ap.parse_args(argv)
     if args.from_json:
         print(table(json.load(open(args.from_json))))
+        return
+    if args.pick:
+        results = [json.load(open(f)) for f in args.pick]
+        for kind in LN_CONSTANTS:
+            best = pick(results, kind, args.margin)
+            if best is None:
+                print(f"{kind}: the shipped launch stays (nothing faster by {args.margin:.0%} "
+                      "in every run)")
+                continue
+            spec, launch, gains = best
+            print(f"{kind}: {spec} ({launch}), speed-up " + ", ".join(
+                f"x{g:.3f} at {r['tokens']} tokens" for g, r in zip(gains, results)))
+            if args.write:
+                write_ln_constants(kind, launch)
         return
     res = run(args.variants.split(","), args.tokens, args.rounds, args.reps)
     if args.out:

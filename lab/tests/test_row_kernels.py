@@ -35,3 +35,31 @@ def test_run_and_table(capsys):
     assert "no-such-kind" in res["failed"] and res["jax_version"] == jax.__version__
     text = rk.table(res)
     assert "`ln-bwd:sub=4`" in text and "failed" in text
+
+
+def _res(tokens, ms):
+    return {"tokens": tokens, "records": [{"variant": k, "ms": v} for k, v in ms.items()]}
+
+
+def test_pick_takes_the_best_worst_case_gain_over_every_run():
+    runs = [_res(16, {"ln-bwd": 1.0, "ln-bwd:rows=64": 0.80, "ln-bwd:rows=32": 0.85,
+                      "ln-fwd": 1.0, "ln-fwd:rows=32": 0.99}),
+            _res(32, {"ln-bwd": 2.0, "ln-bwd:rows=64": 1.98, "ln-bwd:rows=32": 1.80,
+                      "ln-fwd": 2.0, "ln-fwd:rows=32": 1.99})]
+    spec, launch, gains = rk.pick(runs, "ln-bwd")
+    assert spec == "ln-bwd:rows=32" and launch["rows"] == 32  # x1.11 worst, not rows=64's x1.01
+    assert abs(min(gains) - 1 / 0.9) < 1e-9
+    from models import layernorm
+    assert launch == {**layernorm.BWD, "rows": 32}
+    assert rk.pick(runs, "ln-fwd") is None  # 1 % faster: within the margin
+
+
+def test_write_ln_constants_rewrites_each_constant_once(tmp_path):
+    from pathlib import Path
+    src = Path(rk.__file__).resolve().parents[1] / "models" / "layernorm.py"
+    dst = tmp_path / "layernorm.py"
+    dst.write_text(src.read_text())
+    text = rk.write_ln_constants("ln-bwd", dict(rows=64, sub=8, warps=4, stages=3), dst)
+    for line in ("BWD_BLOCK_ROWS = 64", "BWD_SUB_ROWS = 8", "BWD_NUM_WARPS = 4",
+                 "BWD_NUM_STAGES = 3", "BLOCK_ROWS = 16"):
+        assert any(l.startswith(line) for l in text.splitlines()), line
