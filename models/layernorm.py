@@ -2,10 +2,11 @@
 
 XLA compiles the model's two-pass LayerNorm and its autodiff into several fusions, the backward's
 reading the activations many times over (the step profile, docs/PERFORMANCE.md). Here a program
-takes ``BLOCK_ROWS`` whole rows: the forward reads each row once and writes the normalised row in
-the output dtype with the row's mean and 1/σ; the backward reads x, dy and those two and writes
-dx and a per-program partial of d(scale), summed afterwards, reading each input once,
-``BWD_SUB_ROWS`` rows at a time (``_grads``). The arithmetic is the two-pass
+takes whole rows (``BLOCK_ROWS`` forward, ``BWD_BLOCK_ROWS`` backward), a few at a time in a loop
+(``FWD_SUB_ROWS``, ``BWD_SUB_ROWS``): the forward reads each row once and writes the normalised row
+in the output dtype with the row's mean and 1/σ; the backward reads x, dy and those two and writes
+dx and a per-program partial of d(scale), summed afterwards, reading each input once
+(``_grads``). The arithmetic is the two-pass
 LayerNorm's (mean, then the mean of squared deviations, eps inside the square root) and its exact
 gradient, in FP32; the sums run in another order than XLA's, so last bits differ from the default
 ``"xla"`` LayerNorm — an opt-in named option, not bit-neutral.
