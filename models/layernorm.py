@@ -36,7 +36,7 @@ from jax_flash.pallas.common import interpret_mode as _interpret
 # device; stages (how far Triton's pipeliner loads the loop's rows ahead) changes no value.
 BLOCK_ROWS = 16  # the forward's rows per program
 FWD_SUB_ROWS = 16  # the forward's rows per step (all of a program's: no loop)
-NUM_WARPS = 8  # the forward's (×1.13 faster than 4 at 32768 rows: lab.row_kernels)
+NUM_WARPS = 8  # the forward's: 1.13× as fast as 4 at 32768 rows (lab.row_kernels)
 FWD_NUM_STAGES = 1
 BWD_BLOCK_ROWS = 16  # the backward's rows per program
 BWD_SUB_ROWS = 4  # the backward's rows per step (faster than 2, 8 or two loops: lab.row_kernels)
