@@ -97,7 +97,8 @@ def run(repeats: int = 5, overrides=()) -> dict:
 def table(rec: dict) -> str:
     lines = [f"One step of the micro model, {rec['repeats']} executions each, {rec['device']}, "
              f"jax {rec['jax_version']}: elements differing from the first execution "
-             "(leaves: count)", "", "| mode | layout | repeats | stacked vs tree |", "|---|---|---|---|"]
+             "(leaves: count)", "", "| mode | layout | repeats | stacked vs tree |",
+             "|---|---|---|---|"]
     fmt = lambda d: "; ".join(f"{k}: {v}" for k, v in d.items()) or "none"
     for name, mode in rec["modes"].items():
         for layout in ("tree", "stacked"):

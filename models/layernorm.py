@@ -84,7 +84,7 @@ def _fwd_kernel(x_ref, w_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int, eps:
 
 def _add_fwd_kernel(x_ref, r_ref, w_ref, s_ref, y_ref, mean_ref, rstd_ref, *, d: int, c: int,
                     eps: float, sub: int):
-    def step(rows):  # s = x + r as XLA adds them (r upcast first), written once, normalised in place
+    def step(rows):  # s = x + r as XLA adds them (r upcast first), written, normalised in place
         xs = [x.astype(jnp.float32) + r.astype(jnp.float32)
               for x, r in zip(_chunks(x_ref, d, c, rows), _chunks(r_ref, d, c, rows))]
         for i, x in enumerate(xs):
