@@ -84,12 +84,7 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
                 f = jax.jit(functools.partial(layernorm._add_forward, eps=1e-5,
                                               out_dtype=jnp.dtype(jnp.bfloat16), **launch))
                 return f, (s, r, w), moved
-
-            def xla_fwd(x, r, w):
-                t = x + r.astype(jnp.float32)
-                return t, _xla_ln(t, w).astype(jnp.bfloat16)
-
-            return jax.jit(xla_fwd), (s, r, w), moved
+            return jax.jit(_xla_add_ln), (s, r, w), moved
         moved = tokens * D_MODEL * (4 + 2 + 4 + 4 + 2)  # s, dy, gs in; ds, dr out
         if kind == "ln-bwd":
             _, _, mean, rstd = jax.jit(layernorm._add_forward, static_argnums=(3, 4))(
@@ -99,10 +94,7 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
             return f, (s, w, mean, rstd, dy, gs), moved
 
         def xla(x, r, w, dy, gs):
-            def fn(x, r):
-                t = x + r.astype(jnp.float32)
-                return t, _xla_ln(t, w).astype(jnp.bfloat16)
-            _, vjp = jax.vjp(fn, x, r)
+            _, vjp = jax.vjp(lambda x, r: _xla_add_ln(x, r, w), x, r)
             return vjp((gs, dy))
 
         return jax.jit(xla), (s, r, w, dy, gs), moved
@@ -159,6 +151,14 @@ def _xla_ln(x, w, eps=1e-5):
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
     return (x - mean) * (1.0 / jnp.sqrt(var + eps)) * w
+
+
+def _xla_add_ln(x, r, w):
+    """XLA's residual addition (r upcast) and LayerNorm in bf16: the sum and the normalised row."""
+    import jax.numpy as jnp
+
+    t = x + r.astype(jnp.float32)
+    return t, _xla_ln(t, w).astype(jnp.bfloat16)
 
 
 def run(variants, tokens, rounds, reps):
