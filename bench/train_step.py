@@ -250,7 +250,7 @@ def arm_bench_settings(spec: str) -> dict:
     of ``BENCH_SETTINGS`` with those given."""
     out = dict(BENCH_SETTINGS)
     for o in _arm_parts(spec)[1]:
-        if not o.startswith("bench."):
+        if not o.startswith("bench.") or o.startswith(TUNING_SETTING):
             continue
         key, eq, value = o[len("bench."):].partition("=")
         if key not in BENCH_SETTINGS or not eq:
@@ -262,6 +262,23 @@ def arm_bench_settings(spec: str) -> dict:
     return out
 
 
+TUNING_SETTING = "bench.tuning="
+
+
+def arm_tuning(spec: str) -> str | None:
+    """The tuning table an arm's brackets name, e.g. ``fa2-stable[bench.tuning=my.json]``: set as
+    ``JAX_FLASH_TUNING`` for that arm's process alone, so that a candidate launch (launch fields
+    only: no value changes) is timed in the step beside the shipped one; None if none is named."""
+    named = [o[len(TUNING_SETTING):] for o in _arm_parts(spec)[1] if o.startswith(TUNING_SETTING)]
+    if len(named) > 1 or (named and not Path(named[0]).is_file()):
+        raise ValueError(f"arm {spec!r}: bench.tuning names one table file that exists, got {named}")
+    if named:
+        from jax_flash.pallas import tuning
+
+        tuning.load(Path(named[0]))  # launch fields only, checked before any run
+    return named[0] if named else None
+
+
 def _configs(args):
     """(cfg of the preset with --set applied, {arm: cfg}) — the parent's view, no device touched."""
     from train import config as config_lib
@@ -269,6 +286,7 @@ def _configs(args):
     base = config_lib.apply_overrides(config_lib.get_preset(args.preset), args.set)
     per_arm = {}
     for arm in args.arms:
+        arm_tuning(arm), arm_bench_settings(arm)  # a bad setting fails before any run
         per_arm[arm] = config_lib.apply_overrides(
             config_lib.get_preset(args.preset), arm_overrides(arm) + list(args.set))
     return base, per_arm
@@ -510,10 +528,14 @@ def run_all(args) -> dict:
             print(f"[{arm} b{batch}] started at {elapsed:.0f} s (time limit {timeout:.0f} s)", flush=True)
             log = work / f"log-{i}.txt"
             flags = arm_xla_flags(arm) if kind == "jax" else []
+            arm_env = dict(env)
             if flags:
                 run["xla_flags"] = flags
-            arm_env = dict(env, XLA_FLAGS=" ".join([env.get("XLA_FLAGS", ""), *flags]).strip()) \
-                if flags else env
+                arm_env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
+            table = arm_tuning(arm) if kind == "jax" else None
+            if table:
+                run["tuning"] = {"file": table, "entries": json.loads(Path(table).read_text())}
+                arm_env["JAX_FLASH_TUNING"] = str(Path(table).resolve())
             rc, secs = _launch(cmd, arm_env, timeout, log)
             took["profile" if profile else kind].append(secs)
             for line in _tail(log, args.log_lines if rc == 0 else max(args.log_lines, 200)):

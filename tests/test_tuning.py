@@ -32,6 +32,31 @@ def test_table_with_a_numerics_field_does_not_load(tmp_path, field, value):
         tuning.load(path)
 
 
+def test_env_table_replaces_the_shipped_entries_of_its_keys(tmp_path, monkeypatch):
+    """``JAX_FLASH_TUNING`` names a table whose entries take the place of the shipped ones of the
+    same key; the other shipped entries stay; a table with a numerics field or a missing file
+    raises."""
+    shipped = tuning.load()
+    key = "fa2/d64/t1024/causal"
+    assert key in shipped
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({key: {"arch": "sm_80", "fwd_block": 128},
+                                "fa2/d64/t4096/full": {"arch": "sm_80", "split_diagonal": True}}))
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    table = tuning.load_all()
+    assert table[key] == ("sm_80", jf.Launch(fwd_block=128))
+    assert table["fa2/d64/t4096/full"] == ("sm_80", jf.Launch(split_diagonal=True))
+    assert {k: v for k, v in table.items() if k not in (key, "fa2/d64/t4096/full")} == \
+        {k: v for k, v in shipped.items() if k != key}
+    monkeypatch.delenv(tuning.ENV_VAR)
+    assert tuning.load_all() == shipped
+    with pytest.raises(FileNotFoundError, match="JAX_FLASH_TUNING"):
+        tuning.load_all(str(tmp_path / "none.json"))
+    path.write_text(json.dumps({key: {"block_k": 128}}))
+    with pytest.raises(ValueError, match="not launch fields"):
+        tuning.load_all(str(path))
+
+
 def test_missing_table_is_empty(tmp_path):
     assert tuning.load(tmp_path / "none.json") == {}
 

@@ -6,12 +6,17 @@ plus where it was measured (``device``, ``arch``, ``jax_version``, ``ms``); it a
 architecture it was measured on, at its length bucket and, where that has no entry, the buckets
 beside it (half and twice the length). Nothing in it can change a computed value: tile sizes and
 numerics flags are arguments of the call (``jax_flash.plan`` shows both).
+
+``JAX_FLASH_TUNING`` (an environment variable, read at the first lookup) names a table of the same
+format, e.g. one ``bench.tune --out FILE`` measured on your GPU: its entries replace the shipped
+ones of the same key.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -19,6 +24,7 @@ import jax
 from ..spec import Launch
 
 TABLE_PATH = Path(__file__).with_name("tuning.json")
+ENV_VAR = "JAX_FLASH_TUNING"
 META_FIELDS = ("device", "arch", "jax_version", "ms")
 
 
@@ -44,9 +50,21 @@ def load(path: Path = TABLE_PATH) -> dict[str, tuple[str | None, Launch]]:
     return table
 
 
+def load_all(env: str | None = None) -> dict[str, tuple[str | None, Launch]]:
+    """The shipped table with the entries of the table ``env`` names (default: the environment
+    variable ``JAX_FLASH_TUNING``) in place of the shipped ones of the same key."""
+    env = os.environ.get(ENV_VAR) if env is None else env
+    if not env:
+        return load()
+    path = Path(env).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{ENV_VAR}={env}: no such file (a table bench.tune --out wrote)")
+    return {**load(), **load(path)}
+
+
 @functools.cache
 def _table() -> dict:
-    return load()
+    return load_all()
 
 
 @functools.cache
