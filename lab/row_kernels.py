@@ -8,7 +8,8 @@ step's shapes, variants interleaved in one process.
 A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
 - ``ln-fwd``, ``ln-bwd``: ``models.layernorm``'s fused residual addition and LayerNorm, forward
   and backward, ``[tokens, 768]`` (keys: ``rows``, rows a program; ``sub``, rows a step of its
-  loop; ``warps``; ``stages``, Triton's pipeline depth);
+  loop; ``warps``; ``stages``, Triton's pipeline depth; ``reload=1``, the backward's second pass
+  reading the rows again instead of holding them);
 - ``ce-fwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, and the statistics and
   gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
   ``rows``, ``chunk``, ``warps``, ``stages``);
@@ -194,7 +195,8 @@ def run(variants, tokens, rounds, reps):
 LN_CONSTANTS = {"ln-fwd": {"rows": "BLOCK_ROWS", "sub": "FWD_SUB_ROWS", "warps": "NUM_WARPS",
                            "stages": "FWD_NUM_STAGES"},
                 "ln-bwd": {"rows": "BWD_BLOCK_ROWS", "sub": "BWD_SUB_ROWS",
-                           "warps": "BWD_NUM_WARPS", "stages": "BWD_NUM_STAGES"}}
+                           "warps": "BWD_NUM_WARPS", "stages": "BWD_NUM_STAGES",
+                           "reload": "BWD_RELOAD"}}
 
 
 def pick(results, kind: str, margin: float = 0.03):
@@ -228,7 +230,9 @@ def write_ln_constants(kind: str, launch: dict, path=None) -> str:
     path = Path(path or Path(__file__).resolve().parents[1] / "models" / "layernorm.py")
     text = path.read_text()
     for key, name in LN_CONSTANTS[kind].items():
-        text, n = re.subn(rf"^{name} = \d+", f"{name} = {int(launch[key])}", text, flags=re.M)
+        value = bool(launch[key]) if key == "reload" else int(launch[key])
+        text, n = re.subn(rf"^{name} = (\d+|True|False)\b", f"{name} = {value}", text,
+                          flags=re.M)
         if n != 1:
             raise ValueError(f"{name} is not assigned once in {path}")
     path.write_text(text)

@@ -42,6 +42,9 @@ BWD_BLOCK_ROWS = 16  # the backward's rows per program
 BWD_SUB_ROWS = 4  # the backward's rows per step (faster than 2, 8 or two loops: lab.row_kernels)
 BWD_NUM_WARPS = 2  # the backward's (faster than 4 or 8 there)
 BWD_NUM_STAGES = 1
+# The backward's second pass reads each step's rows again (from cache) instead of holding them in
+# registers from the first: the same expressions, so no value changes
+BWD_RELOAD = False
 
 
 def triton_params(num_warps: int = NUM_WARPS, num_stages: int = 1):
@@ -121,44 +124,53 @@ def _normalize(xs, w_ref, y_ref, mean_ref, rstd_ref, rows, *, d: int, c: int, ep
 
 
 def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, d: int, c: int,
-                sub: int):
+                sub: int, reload: bool):
     def store(rows, i, dx):
         dx_ref[rows, pl.ds(i * c, c)] = dx.astype(dx_ref.dtype)
 
-    _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store, sub=sub)
+    _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store, sub=sub,
+           reload=reload)
 
 
 def _add_bwd_kernel(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, gs_ref, ds_ref, dr_ref, dw_ref, *,
-                    d: int, c: int, sub: int):
+                    d: int, c: int, sub: int, reload: bool):
     def store(rows, i, dx):  # the sum's own cotangent added, as autodiff adds the two; r's is its cast
         cols = (rows, pl.ds(i * c, c))
         ds = dx + gs_ref[cols].astype(jnp.float32)
         ds_ref[cols] = ds.astype(ds_ref.dtype)
         dr_ref[cols] = ds.astype(dr_ref.dtype)
 
-    _grads(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store, sub=sub)
+    _grads(s_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, d=d, c=c, store=store, sub=sub,
+           reload=reload)
 
 
 def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, store,
-           sub: int):
+           sub: int, reload: bool = False):
     """The LayerNorm's input gradient (handed to ``store(rows, chunk, dx)``) and d(scale)'s partial:
-    a loop over ``sub`` rows at a time that holds every chunk of them, so each input is read once;
-    d(scale)'s partial summed over those steps in registers."""
+    a loop over ``sub`` rows at a time that holds every chunk of them, so each input is read once
+    (``reload``: read again for the input gradient, each chunk while it is needed, instead of
+    held); d(scale)'s partial summed over those steps in registers."""
     n_chunks = d // c
     ws = [w_ref[pl.ds(i * c, c)].astype(jnp.float32)[None, :] for i in range(n_chunks)]
 
     def step(r, dws):
         rows = pl.ds(r * sub, sub)
         mean, rstd = mean_ref[rows], rstd_ref[rows]
-        xh = [(x_ref[rows, pl.ds(i * c, c)].astype(jnp.float32) - mean[:, None]) * rstd[:, None]
-              for i in range(n_chunks)]
-        dy = [dy_ref[rows, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]
+        x_hat = lambda i: ((x_ref[rows, pl.ds(i * c, c)].astype(jnp.float32) - mean[:, None])
+                           * rstd[:, None])
+        d_y = lambda i: dy_ref[rows, pl.ds(i * c, c)].astype(jnp.float32)
+        xh = [x_hat(i) for i in range(n_chunks)]
+        dy = [d_y(i) for i in range(n_chunks)]
         g = [a * w for a, w in zip(dy, ws)]
         c1 = sum(jnp.sum(a * b, axis=1) for a, b in zip(g, xh)) / d  # mean(g·x̂)
         c2 = sum(jnp.sum(a, axis=1) for a in g) / d  # mean(g)
+        dw = lambda: tuple(acc + jnp.sum(a * b, axis=0) for acc, a, b in zip(dws, dy, xh))
+        if reload:  # the held chunks' last use: they need not live through the stores
+            dws = dw()
         for i in range(n_chunks):
-            store(rows, i, (g[i] - c2[:, None] - xh[i] * c1[:, None]) * rstd[:, None])
-        return tuple(acc + jnp.sum(a * b, axis=0) for acc, a, b in zip(dws, dy, xh))
+            xh_i, g_i = (x_hat(i), d_y(i) * ws[i]) if reload else (xh[i], g[i])
+            store(rows, i, (g_i - c2[:, None] - xh_i * c1[:, None]) * rstd[:, None])
+        return dws if reload else dw()
 
     br = mean_ref.shape[0]
     sub = min(sub, br)  # both powers of two: a program of fewer rows is one step
@@ -196,7 +208,8 @@ F32 = jnp.float32
 
 
 FWD = dict(rows=BLOCK_ROWS, sub=FWD_SUB_ROWS, warps=NUM_WARPS, stages=FWD_NUM_STAGES)
-BWD = dict(rows=BWD_BLOCK_ROWS, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS, stages=BWD_NUM_STAGES)
+BWD = dict(rows=BWD_BLOCK_ROWS, sub=BWD_SUB_ROWS, warps=BWD_NUM_WARPS, stages=BWD_NUM_STAGES,
+           reload=BWD_RELOAD)
 
 
 def _launch(kernel, defaults, given, n, d, *ins_outs_name_args, **static):
@@ -206,7 +219,9 @@ def _launch(kernel, defaults, given, n, d, *ins_outs_name_args, **static):
     if unknown:
         raise TypeError(f"unknown launch settings {sorted(unknown)}; known: {sorted(defaults)}")
     launch = {**defaults, **given}
-    kernel = functools.partial(kernel, d=d, c=chunk_width(d), sub=launch["sub"], **static)
+    kernel_kw = {k: v for k, v in launch.items() if k not in ("rows", "sub", "warps", "stages")}
+    kernel = functools.partial(kernel, d=d, c=chunk_width(d), sub=launch["sub"], **kernel_kw,
+                               **static)
     return row_call(kernel, n, d, *ins_outs_name_args, rows=launch["rows"],
                     num_warps=launch["warps"], num_stages=launch["stages"])
 

@@ -451,10 +451,13 @@ def test_gpu_gelu_recomputations_change_no_bit(option):
     chex.assert_trees_all_equal(got, want)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_gpu_layernorm_backward_stages_change_no_bit(stages):
+@pytest.mark.parametrize("launch", [dict(stages=2), dict(stages=3), dict(reload=True),
+                                    dict(reload=True, stages=2)], ids=launch_id)
+def test_gpu_layernorm_backward_launch_changes_no_bit(launch):
     """The fused LayerNorm backward's pipeline depth (``models.layernorm.BWD_NUM_STAGES``) only
-    moves when rows are loaded: ds, dr and d(scale) bitwise those of one stage, at GPT-2's width."""
+    moves when rows are loaded, and ``reload`` (``BWD_RELOAD``) reads them again for the input
+    gradient through the same expressions: ds, dr and d(scale) bitwise the shipped launch's, at
+    GPT-2's width."""
     from models import layernorm
 
     rng = np.random.default_rng(5)
@@ -466,9 +469,9 @@ def test_gpu_layernorm_backward_stages_change_no_bit(stages):
     gs = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
     _, _, mean, rstd = jax.jit(layernorm._add_forward, static_argnums=(3, 4))(
         s, r, w, 1e-5, jnp.dtype(jnp.bfloat16))
-    bwd = lambda st: jax.jit(lambda *a: layernorm._add_backward(
-        *a, r_dtype=jnp.bfloat16, stages=st))(s, w, mean, rstd, dy, gs)
-    chex.assert_trees_all_equal(bwd(stages), bwd(1))
+    bwd = lambda kw: jax.jit(lambda *a: layernorm._add_backward(
+        *a, r_dtype=jnp.bfloat16, **kw))(s, w, mean, rstd, dy, gs)
+    chex.assert_trees_all_equal(bwd(launch), bwd({}))
 
 
 @pytest.mark.parametrize("stages", [2, 3])

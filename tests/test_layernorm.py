@@ -39,6 +39,23 @@ def test_every_launch_matches_float64_within_the_sums_bounds(rng, assert_close, 
     assert_ln_launch_within_the_sums_bounds(rng, assert_close, launch)
 
 
+@pytest.mark.parametrize("launch", [dict(reload=True), dict(reload=True, sub=2, rows=32)],
+                         ids=launch_id)
+def test_backward_reload_changes_no_bit(rng, launch):
+    """``reload``: the backward reads a step's rows again for the input gradient instead of
+    holding them, through the same expressions: dx, d(scale) and the fused pair's ds, dr bitwise
+    those of the same launch without it."""
+    n, d = 64, 768
+    x, w, dy = (jnp.asarray(a, jnp.float32) for a in ln_inputs(rng, n, d, 3.0))
+    gs = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    _, mean, rstd = layernorm._forward(x, w, EPS, jnp.dtype(jnp.float32))
+    held = {k: v for k, v in launch.items() if k != "reload"}
+    for f in (lambda **kw: layernorm._backward(x, w, mean, rstd, dy, **kw),
+              lambda **kw: layernorm._add_backward(x, w, mean, rstd, dy.astype(jnp.bfloat16), gs,
+                                                   jnp.dtype(jnp.bfloat16), **kw)):
+        chex.assert_trees_all_equal(f(**launch), f(**held))
+
+
 def test_an_unknown_launch_setting_is_an_error():
     x = jnp.ones((16, 96), jnp.float32)
     with pytest.raises(TypeError, match="unknown launch settings \\['row'\\]"):

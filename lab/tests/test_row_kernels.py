@@ -59,7 +59,7 @@ def test_write_ln_constants_rewrites_each_constant_once(tmp_path):
     src = Path(rk.__file__).resolve().parents[1] / "models" / "layernorm.py"
     dst = tmp_path / "layernorm.py"
     dst.write_text(src.read_text())
-    text = rk.write_ln_constants("ln-bwd", dict(rows=64, sub=8, warps=4, stages=3), dst)
+    text = rk.write_ln_constants("ln-bwd", dict(rows=64, sub=8, warps=4, stages=3, reload=1), dst)
     for line in ("BWD_BLOCK_ROWS = 64", "BWD_SUB_ROWS = 8", "BWD_NUM_WARPS = 4",
-                 "BWD_NUM_STAGES = 3", "BLOCK_ROWS = 16"):
+                 "BWD_NUM_STAGES = 3", "BWD_RELOAD = True", "BLOCK_ROWS = 16"):
         assert any(l.startswith(line) for l in text.splitlines()), line
