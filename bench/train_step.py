@@ -271,7 +271,8 @@ def arm_tuning(spec: str) -> str | None:
     only: no value changes) is timed in the step beside the shipped one; None if none is named."""
     named = [o[len(TUNING_SETTING):] for o in _arm_parts(spec)[1] if o.startswith(TUNING_SETTING)]
     if len(named) > 1 or (named and not Path(named[0]).is_file()):
-        raise ValueError(f"arm {spec!r}: bench.tuning names one table file that exists, got {named}")
+        raise ValueError(f"arm {spec!r}: bench.tuning names one table file that exists, "
+                         f"got {named}")
     if named:
         from jax_flash.pallas import tuning
 

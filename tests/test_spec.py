@@ -48,8 +48,9 @@ def test_launch_fields_and_validation():
     assert jf.Launch().to_dict() == {}
     full = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic_dkdv", fwd=(4, 3), bwd=(8, 2),
                      dq=(4, 2), split_diagonal=True, bwd_block=128, dq_block=64, fwd_block=128,
-                     prefetch_rows=True, prefetch_scores=True, mosaic_fwd_stages=3, mosaic_bwd_stages=4,
-                     mosaic_bwd_overlap=True, mosaic_bwd_regs=(240, 24), heavy_first=True)
+                     prefetch_rows=True, prefetch_scores=True, mosaic_fwd_stages=3,
+                     mosaic_bwd_stages=4, mosaic_bwd_overlap=True, mosaic_bwd_regs=(240, 24),
+                     heavy_first=True)
     assert jf.Launch.from_dict(full.to_dict()) == full
     assert jf.Launch.from_dict(json.loads(json.dumps(full.to_dict()))) == full  # lists → tuples
     assert jf.Launch.from_dict({"fwd": {"num_warps": 4, "num_stages": 3}}).fwd == (4, 3)
