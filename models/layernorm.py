@@ -164,13 +164,13 @@ def _grads(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dw_ref, *, d: int, c: int, 
         g = [a * w for a, w in zip(dy, ws)]
         c1 = sum(jnp.sum(a * b, axis=1) for a, b in zip(g, xh)) / d  # mean(g·x̂)
         c2 = sum(jnp.sum(a, axis=1) for a in g) / d  # mean(g)
-        dw = lambda: tuple(acc + jnp.sum(a * b, axis=0) for acc, a, b in zip(dws, dy, xh))
-        if reload:  # the held chunks' last use: they need not live through the stores
-            dws = dw()
+        summed = lambda: tuple(acc + jnp.sum(a * b, axis=0) for acc, a, b in zip(dws, dy, xh))
+        # reload: the held chunks' last use comes before the stores, so they need not outlive it
+        early = summed() if reload else None
         for i in range(n_chunks):
             xh_i, g_i = (x_hat(i), d_y(i) * ws[i]) if reload else (xh[i], g[i])
             store(rows, i, (g_i - c2[:, None] - xh_i * c1[:, None]) * rstd[:, None])
-        return dws if reload else dw()
+        return early if reload else summed()
 
     br = mean_ref.shape[0]
     sub = min(sub, br)  # both powers of two: a program of fewer rows is one step
