@@ -173,10 +173,10 @@ def paper_l6():
 
 
 def confirm_l6(loss_path=None):
-    """The pre-registered test under way (results/confirm/l6): per arm, of the executions judged so
-    far (their seed's `standard` made, or ended by the divergence stop), how many ran away at its
-    endpoint — an interim count, not the design's test — and, of every execution made, how many
-    failed at the loss (drawn into ``loss_path``)."""
+    """The pre-registered test of the fixes (results/confirm/l6): per arm, of the executions judged
+    (their seed's `standard` made, or ended by the divergence stop), how many ran away at its
+    endpoint — the design's test once every execution is made, an interim count before — and, of
+    every execution made, how many failed at the loss (drawn into ``loss_path``)."""
     from experiments import queue, reproduce, search
     from experiments.plot_run import plot_executions
 
@@ -189,9 +189,15 @@ def confirm_l6(loss_path=None):
     if not counts:
         return None
     parts = [f"{a} {counts[a][1]} of {counts[a][0]}" for a in arms if a in counts]
-    print("   the pre-registered test of the fixes in that setting (results/confirm, under way; an"
-          " interim count, not its test): ran away (≥ 10× standard by step 3,000, or the"
-          " divergence stop) " + ", ".join(parts))
+    complete = not any(r["pending"] for r in queue.status(q))
+    where = ("every execution made" if complete else
+             "under way; an interim count, not its test")
+    print(f"   the pre-registered test of the fixes in that setting (results/confirm, {where}):"
+          " ran away (≥ 10× standard by step 3,000, or the divergence stop) " + ", ".join(parts))
+    if complete and "paper" in counts and "paper-stable" in counts:
+        (pn, pk, _), (sn, sk, _) = counts["paper"], counts["paper-stable"]
+        print(f"   its test of the stable shift, paper against paper-stable: one-sided Fisher exact"
+              f" p = {reproduce.fisher_one_sided(pk, pn, sk, sn):.3g}")
     rows = search.verdict(sorted(d for d in Path(q.root).glob("*-s*")
                                  if d.is_dir() and d.name.rpartition("-s")[0] in queue.CONFIRM_ARMS))
     losses = {a: (sum(r["arm"] == a for r in rows),
@@ -203,7 +209,7 @@ def confirm_l6(loss_path=None):
         plot_executions([q.root], list(queue.CONFIRM_ARMS), seeds, loss_path, horizon=3000,
                         metric="loss", window=search.WINDOW)
         print(f"   figure: {loss_path}")
-    return {"runaway": counts, "loss": losses}
+    return {"runaway": counts, "loss": losses, "complete": complete}
 
 
 def summary(bias, training, repro):
@@ -244,10 +250,12 @@ def summary(bias, training, repro):
             n, k, _ = cf["runaway"]["paper-stable"]
             pn, pk, _ = cf["runaway"].get("paper", (0, 0, 0))
             (ln, lk), (pln, plk) = cf["loss"]["paper-stable"], cf["loss"]["paper"]
-            print(f" * The paper's fix in those numerics, so far: the stable shift ran away in {k} of"
-                  f" {n} executions judged, `paper` without it in {pk} of {pn}; {lk} of {ln} with"
-                  f" the shift and {plk} of {pln} without failed at the loss (a pre-registered"
-                  " design under way, results/confirm).")
+            done = cf.get("complete")
+            print(f" * The paper's fix in those numerics{'' if done else ', so far'}: the stable"
+                  f" shift ran away in {k} of {n} executions judged, `paper` without it in {pk} of"
+                  f" {pn}; {lk} of {ln} with the shift and {plk} of {pln} without failed at the"
+                  " loss (" + ("the pre-registered test, results/confirm)." if done else
+                               "a pre-registered design under way, results/confirm)."))
 
 
 
