@@ -15,7 +15,8 @@ are the same kernels):
 2. with the fastest forward, the backward, timed on forward+backward: each Triton launch without
    and with ``prefetch_rows``, the Mosaic GPU dK/dV kernel beside the Triton dQ kernel under each
    launch, and the Mosaic GPU backward (its rings at the default depth and at each of
-   ``MOSAIC_STAGES``, its register split at each of ``MOSAIC_REGS``), where they cover the call;
+   ``MOSAIC_STAGES``, its register split at each of ``MOSAIC_REGS``, its dQ kernel on 128-key
+   tiles with the default and each split), where they cover the call;
 3. the ``FINALISTS`` fastest of step 2, each also with ``split_diagonal`` (mask-free loops below the
    causal diagonal) where a Triton kernel runs, timed again in ``ROUNDS`` interleaved rounds
    (``bench.attention.timed_interleaved``): one-shot timings of one configuration drift by more
@@ -66,7 +67,9 @@ def backward_candidates(fwd: jf.Launch) -> list[jf.Launch]:
     return ([plus(bwd=ws, prefetch_rows=pr) for ws in LAUNCHES for pr in (False, True)]
             + [plus(bwd_kernel="mosaic_dkdv", bwd=ws) for ws in LAUNCHES]  # ws: the Triton dQ's
             + [plus(bwd_kernel="mosaic", mosaic_bwd_stages=n) for n in (None, *MOSAIC_STAGES)]
-            + [plus(bwd_kernel="mosaic", mosaic_bwd_regs=r) for r in MOSAIC_REGS])
+            + [plus(bwd_kernel="mosaic", mosaic_bwd_regs=r) for r in MOSAIC_REGS]
+            + [plus(bwd_kernel="mosaic", mosaic_dq_keys=128, mosaic_bwd_regs=r)
+               for r in (None, *MOSAIC_REGS)])
 
 
 def finalists(launches: list[jf.Launch]) -> list[jf.Launch]:

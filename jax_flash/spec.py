@@ -155,6 +155,9 @@ class Launch:
     # Mosaic backward kernels: registers a thread of each compute / producer warpgroup asks for
     # (setmaxnreg); None: (232, 40). Only where values live, so only whether the compiler spills.
     mosaic_bwd_regs: tuple[int, int] | None = None
+    # Mosaic dQ kernel: keys a streamed K/V tile holds, 64 or 128 (None: 64); dQ sums the same
+    # products in the same key order either way, only in longer MMAs and fewer ring steps
+    mosaic_dq_keys: int | None = None
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -176,6 +179,8 @@ class Launch:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:
             check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
+        if self.mosaic_dq_keys not in (None, 64, 128):
+            raise ValueError(f"mosaic_dq_keys must be 64 or 128, got {self.mosaic_dq_keys!r}")
         for name in ("bwd_block", "dq_block", "fwd_block"):
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):

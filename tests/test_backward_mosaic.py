@@ -154,8 +154,8 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
 
     def fake(fill):
         def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None,
-                   regs=None, overlap=None):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, overlap))
+                   regs=None, overlap=None, keys=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, overlap, keys))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
@@ -165,12 +165,12 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
     launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
-                       mosaic_bwd_overlap=overlap, mosaic_bwd_regs=(240, 24))
+                       mosaic_bwd_overlap=overlap, mosaic_bwd_regs=(240, 24), mosaic_dq_keys=128)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    # the dK/dV kernel (called first) takes the flag; the dQ kernel has no such reordering
-    assert [s[-1] for s in seen] == [overlap, None][:len(seen)]
-    for args, got_cfg, out_dtype, stages, regs, _ in seen:
+    # the dK/dV kernel (called first) takes the flag; the dQ kernel its key tile instead
+    assert [s[-2:] for s in seen] == [(overlap, None), (None, 128)][:len(seen)]
+    for args, got_cfg, out_dtype, stages, regs, *_ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
         assert got_cfg == cfg and out_dtype == BF16 and stages == 2 and regs == (240, 24)
@@ -204,7 +204,7 @@ def _inputs(rng, shape, cfg, tied=False):
     return q, k, v, do, o, lse, dlt
 
 
-def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None):
+def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None, dq_keys=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
@@ -215,7 +215,7 @@ def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None):
     assert not interp.get_races().races_found
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     dq = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                interpret=interpret_params(), stages=stages)
+                interpret=interpret_params(), stages=stages, keys=dq_keys)
     jax.block_until_ready((dq))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return dq, dk, dv
@@ -257,6 +257,48 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg)
     base = _interpreted(q, k, v, do, lse, dlt, cfg)
     chex.assert_trees_all_equal(_interpreted(q, k, v, do, lse, dlt, cfg, stages=1), base)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape,causal,stable", [
+    ((1, 256, 2, 64), True, False), ((1, 384, 1, 128), False, True),
+    pytest.param((1, 384, 1, 128), True, True, marks=pytest.mark.slow)],
+    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_interpreted_dq_key_tiles(rng, assert_close, shape, causal, stable):
+    """``Launch.mosaic_dq_keys=128``: the dQ kernel streams 128-key tiles, races checked. Compiled,
+    each tile's dS·K continues the same accumulator in the same key order as two 64-key tiles; the
+    interpreter adds each tile's product to dQ apart, so here the two are held to twice the
+    policy's bound of each other and of the jnp executor, and to the bound of float64."""
+    cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=stable)
+    q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg, tied=stable)
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
+
+    def dq(keys):
+        interp.gpu_callbacks.reset_gpu_interpret_mode_state()
+        out = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
+                     interpret=interpret_params(), keys=keys)
+        jax.block_until_ready(out)
+        assert not interp.get_races().races_found
+        return out
+
+    wide, narrow = dq(128), dq(64)
+    jnp_dq = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)[0]
+    exact = jf.reference_numpy(q, k, v, do, causal=causal)[1]
+    bound = grad_bounds(q, k, v, do, cfg)[0]
+    chex.assert_type(wide, BF16)
+    assert_close(wide, narrow, 2 * bound, "dQ 128-key vs 64-key tiles")
+    assert_close(wide, jnp_dq, 2 * bound, "dQ vs jnp")
+    assert_close(wide, exact, bound, "dQ vs float64")
+    print(f"bitwise with 64-key tiles: {np.mean(f64(wide) == f64(narrow)):.4f}")
+
+
+def test_dq_key_tiles_are_checked():
+    x = jnp.zeros((1, 256, 1, 64), BF16)
+    rows = jnp.zeros((1, 1, 256), jnp.float32)
+    with pytest.raises(ValueError, match="key tiles of \\(64, 128\\), got 32"):
+        bm.dq_mosaic(x, x, x, x, rows, rows, make_cfg(256, 64), out_dtype=BF16, keys=32)
+    with pytest.raises(ValueError, match="mosaic_dq_keys must be 64 or 128"):
+        jf.Launch(mosaic_dq_keys=256)
 
 
 def test_ring_that_cannot_fit_raises():
@@ -387,7 +429,9 @@ def test_kernels_lower_for_cuda(kv_heads, window, causal, length):
     for f, args in (
             (lambda q, k, v: fm.forward_mosaic(q, k, v, fwd_cfg, o_dtype=BF16), (q, k, k)),
             (lambda *a: bm.dkdv_mosaic(*a, cfg, out_dtype=BF16), (q, k, k, q, rows, rows)),
-            (lambda *a: bm.dq_mosaic(*a, cfg, out_dtype=BF16), (q, k, k, q, rows, rows))):
+            (lambda *a: bm.dq_mosaic(*a, cfg, out_dtype=BF16), (q, k, k, q, rows, rows)),
+            (lambda *a: bm.dq_mosaic(*a, cfg, out_dtype=BF16, keys=128),
+             (q, k, k, q, rows, rows))):
         exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
         assert "cuda" in exported.platforms
 

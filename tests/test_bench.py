@@ -276,8 +276,10 @@ def test_tune_one_searches_launches_on_cpu(monkeypatch):
     best, trials = tune.tune_one((1, 32, 1, 16), "fa2", 1, float("inf"), logged.append)
     assert [t["pass"] for t in trials] == ["fwd"] * 2 + ["fwd+bwd"] * (2 + 4)
     rings = 1 + len(tune.MOSAIC_STAGES)  # each Mosaic candidate at each ring depth
-    assert sum("skipped" in m and "mosaic" in m for m in logged) == (rings + 1 + rings
-                                                                     + len(tune.MOSAIC_REGS))
+    # the forward's rings, the dK/dV kernel beside Triton's dQ, the backward's rings, register
+    # splits and its dQ on 128-key tiles with the default and each split
+    assert sum("skipped" in m and "mosaic" in m for m in logged) == (
+        rings + 1 + rings + len(tune.MOSAIC_REGS) + 1 + len(tune.MOSAIC_REGS))
     assert all((t["block_q"], t["block_k"]) == (32, 32) for t in trials)  # 64 cut to the length
     finals = [t for t in trials if t.get("final")]
     assert [t["launch"].get("split_diagonal", False) for t in finals] == [False, True] * 2

@@ -43,6 +43,11 @@ COMPUTE_WGS = 2
 KEYS = KEYS_PER_WG * COMPUTE_WGS  # keys per program
 Q_TILE = 64  # query rows per streamed block (the reduction dimension of dK, dV: numerics-neutral)
 DQ_KEY_TILE = 64  # keys per streamed tile of the dQ kernel (its reduction dimension)
+# the dQ kernel's key tiles (``Launch.mosaic_dq_keys``): dQ sums the tiles' dS·K in the same key
+# order either way, as one accumulator's successive products; with 128-key tiles its K/V ring
+# takes ``DQ128_STAGES`` (two at head_dim 128 is what fits beside Q and dO)
+DQ_KEY_TILES = (64, 128)
+DQ128_STAGES = {64: 4, 128: 2}
 HEAD_DIMS = (64, 128)
 # Shared-memory stages of the streamed ring (dK/dV: Q, dO; dQ: K, V): 32 KiB per stage at D = 128
 # (3 stages: 96 KiB, plus 64 KiB resident), 16 KiB at D = 64. The key/query tile is always 64.
@@ -329,8 +334,9 @@ def dkdv_scratch(d, dtype, stages):
     )
 
 
-def dq_scratch(d, dtype, stages):
-    """The dQ kernel's compiled shared-memory scratch with a K/V ring of ``stages``."""
+def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE):
+    """The dQ kernel's compiled shared-memory scratch with a K/V ring of ``stages`` tiles of
+    ``keys``."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
     rows = (COMPUTE_WGS, KEYS_PER_WG)
@@ -339,8 +345,8 @@ def dq_scratch(d, dtype, stages):
         plgpu.SMEM((*rows, d), dtype, transforms=layout),  # dO
         plgpu.SMEM(rows, jnp.float32),  # L
         plgpu.SMEM(rows, jnp.float32),  # δ
-        plgpu.SMEM((stages, DQ_KEY_TILE, d), dtype, transforms=layout),  # K ring
-        plgpu.SMEM((stages, DQ_KEY_TILE, d), dtype, transforms=layout),  # V ring
+        plgpu.SMEM((stages, keys, d), dtype, transforms=layout),  # K ring
+        plgpu.SMEM((stages, keys, d), dtype, transforms=layout),  # V ring
         *(plgpu.Barrier(num_barriers=COMPUTE_WGS),) * 4,  # Q, dO, L, δ arrived, per warpgroup
         plgpu.Barrier(num_barriers=stages),  # K_j arrived
         plgpu.Barrier(num_barriers=stages),  # V_j arrived
@@ -407,13 +413,13 @@ def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
                nk: int, stages: int, interpret: bool,
-               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
+               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), keys: int = DQ_KEY_TILE):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
     (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
      k_ready, v_ready, k_free, v_free, *staging) = scratch
-    rq, bk, d = KEYS_PER_WG, DQ_KEY_TILE, q_ref.shape[-1]
+    rq, bk, d = KEYS_PER_WG, keys, q_ref.shape[-1]
     wg = lax.axis_index("wg")
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
     blk = lax.axis_index("qblk")
@@ -513,24 +519,30 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
 
 def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-              regs=None):
+              regs=None, keys=None):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
-    128 query rows per program (two compute warpgroups of 64), key tiles of 64 streamed by TMA, in
-    increasing order up to the causal diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the
-    K/V ring)."""
+    128 query rows per program (two compute warpgroups of 64), key tiles of ``keys`` (64 or 128,
+    ``Launch.mosaic_dq_keys``; None: 64) streamed by TMA, in increasing order up to the causal
+    diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the K/V ring of 64-key tiles; 128-key
+    tiles take ``DQ128_STAGES``)."""
     _require_covered("dQ", cfg, q, k, v, do, out_dtype)
+    keys = keys or DQ_KEY_TILE
+    if keys not in DQ_KEY_TILES:
+        raise ValueError(f"the Mosaic GPU dQ kernel takes key tiles of {DQ_KEY_TILES}, got {keys}")
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
-    nk = t // DQ_KEY_TILE
+    nk = t // keys
     layout = mosaic_common.swizzled()
     rows = (COMPUTE_WGS, KEYS_PER_WG)
-    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n), stages, STAGES[d], nk,
-                                       "dQ")
-    scratch = dq_scratch(d, q.dtype, stages)
+    if keys != DQ_KEY_TILE:
+        stages = DQ128_STAGES[d]
+    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n, keys), stages,
+                                       STAGES[d], nk, "dQ")
+    scratch = dq_scratch(d, q.dtype, stages, keys)
     if interpret is not None:  # dS staged for the interpreter's wgmma
-        scratch += (plgpu.SMEM((*rows, DQ_KEY_TILE), q.dtype, transforms=layout),)
+        scratch += (plgpu.SMEM((*rows, keys), q.dtype, transforms=layout),)
     body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, regs=_regs(regs))
+                             interpret=interpret is not None, regs=_regs(regs), keys=keys)
 
     def entry(*refs):
         from jax.experimental import pallas as pl
