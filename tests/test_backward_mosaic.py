@@ -358,29 +358,32 @@ def test_interpreted_gqa_kernels(rng, assert_close, kv_heads, causal):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("window,causal,kv_heads", [
-    ((127, 0), True, 1), ((100, 30), True, 2), pytest.param((64, 64), False, 2, marks=pytest.mark.slow)],
-                         ids=["sliding-127", "left-100-right-30-gqa", "both-64-gqa"])
-def test_interpreted_window_kernels(rng, assert_close, window, causal, kv_heads):
-    """Windows: the dQ kernel streams the key tiles its rows see, the dK/dV kernel the query blocks
-    that see its keys (``tile.q_block_bounds``), per query head of the group; edge tiles masked.
-    dQ, dK, dV against the Triton kernels interpreted and the jnp executor's backward under the same
-    Numerics and the same L and δ."""
+@pytest.mark.parametrize("window,causal,kv_heads,dq_keys", [
+    ((127, 0), True, 1, None), ((100, 30), True, 2, None), ((100, 30), True, 2, 128),
+    pytest.param((64, 64), False, 2, None, marks=pytest.mark.slow)],
+                         ids=["sliding-127", "left-100-right-30-gqa", "left-100-right-30-gqa-dq128",
+                              "both-64-gqa"])
+def test_interpreted_window_kernels(rng, assert_close, window, causal, kv_heads, dq_keys):
+    """Windows: the dQ kernel streams the key tiles its rows see (64 keys, or 128:
+    ``Launch.mosaic_dq_keys``), the dK/dV kernel the query blocks that see its keys
+    (``tile.q_block_bounds``), per query head of the group; edge tiles masked. dQ, dK, dV against
+    the Triton kernels interpreted and the jnp executor's backward under the same Numerics and the
+    same L and δ."""
     shape, g = (1, 384, 2, 64), 2 // kv_heads
     cfg = dataclasses.replace(make_cfg(384, 64, causal=causal), window=window, groups=g)
     q, do = (jnp.asarray(rng.standard_normal(shape), BF16) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((1, 384, kv_heads, 64)), BF16) for _ in range(2))
-    _against_triton_and_jnp(assert_close, q, k, v, do, cfg)
+    _against_triton_and_jnp(assert_close, q, k, v, do, cfg, dq_keys=dq_keys)
 
 
-def _against_triton_and_jnp(assert_close, q, k, v, do, cfg, n=None):
+def _against_triton_and_jnp(assert_close, q, k, v, do, cfg, n=None, dq_keys=None):
     """The interpreted kernels' dQ, dK, dV (rows and keys below ``n``) against the Triton kernels
     interpreted and the jnp executor's backward, given the jnp forward's L and δ: within one ulp of
     the largest element (the same numerics, FP32 sums in other orders). Returns the kernels'."""
     o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
     o = jnp.asarray(o).astype(BF16)
     dlt = jitted(jnp_impl.delta, q, k, v, o, do, lse, cfg=cfg)
-    ours = _interpreted(q, k, v, do, lse, dlt, cfg)
+    ours = _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys)
     chex.assert_shape(ours, [q.shape, k.shape, v.shape])
     triton = jitted(pb.backward, q, k, v, do, lse, dlt, cfg=cfg, launch=jf.Launch(), out_dtype=BF16)
     jnp_g = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)
@@ -392,8 +395,8 @@ def _against_triton_and_jnp(assert_close, q, k, v, do, cfg, n=None):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("causal", [True, False])
-def test_interpreted_padded_length_kernels(rng, assert_close, causal):
+@pytest.mark.parametrize("causal,dq_keys", [(True, None), (False, None), (True, 128)])
+def test_interpreted_padded_length_kernels(rng, assert_close, causal, dq_keys):
     """A length inside a tile (300, padded to 384): keys at or past the length see only masked
     blocks, the dQ kernel streams no key tile past it, whatever q, k, v hold there (large random
     values here; dO is zero there, as the call pads it). dQ, dK, dV of the 300 rows and keys against
@@ -404,7 +407,7 @@ def test_interpreted_padded_length_kernels(rng, assert_close, causal):
     q, k, v = (jnp.asarray(rng.standard_normal((1, t, 2, 64)), BF16).at[:, n:].multiply(8.0)
                for _ in range(3))
     do = jnp.asarray(rng.standard_normal((1, t, 2, 64)), BF16).at[:, n:].set(0)
-    _, dk, dv = _against_triton_and_jnp(assert_close, q, k, v, do, cfg, n)
+    _, dk, dv = _against_triton_and_jnp(assert_close, q, k, v, do, cfg, n, dq_keys)
     assert np.all(f64(dk[:, n:]) == 0) and np.all(f64(dv[:, n:]) == 0)
 
 
