@@ -50,7 +50,8 @@ DQ_KEY_TILES = (64, 128)
 DQ128_STAGES = {64: 4, 128: 2}
 HEAD_DIMS = (64, 128)
 # Shared-memory stages of the streamed ring (dK/dV: Q, dO; dQ: K, V): 32 KiB per stage at D = 128
-# (3 stages: 96 KiB, plus 64 KiB resident), 16 KiB at D = 64. The key/query tile is always 64.
+# (3 stages: 96 KiB, plus 64 KiB resident), 16 KiB at D = 64, with 64-key or 64-row tiles (the
+# dQ kernel's 128-key tiles: DQ128_STAGES).
 STAGES = {64: 4, 128: 3}
 COMPUTE_REGS, PRODUCER_REGS = 232, 40
 
