@@ -219,9 +219,8 @@ def _launch(kernel, defaults, given, n, d, *ins_outs_name_args, **static):
     if unknown:
         raise TypeError(f"unknown launch settings {sorted(unknown)}; known: {sorted(defaults)}")
     launch = {**defaults, **given}
-    kernel_kw = {k: v for k, v in launch.items() if k not in ("rows", "sub", "warps", "stages")}
-    kernel = functools.partial(kernel, d=d, c=chunk_width(d), sub=launch["sub"], **kernel_kw,
-                               **static)
+    kernel_kw = {k: v for k, v in launch.items() if k not in ("rows", "warps", "stages")}
+    kernel = functools.partial(kernel, d=d, c=chunk_width(d), **kernel_kw, **static)
     return row_call(kernel, n, d, *ins_outs_name_args, rows=launch["rows"],
                     num_warps=launch["warps"], num_stages=launch["stages"])
 
