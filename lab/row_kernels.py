@@ -14,7 +14,8 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
   gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
   ``rows``, ``chunk``, ``warps``, ``stages``);
 - ``gelu-fwd``, ``gelu-bwd``: ``models.gelu_kernels`` (the erf-form GELU and its input
-  gradient) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``warps``; elementwise: no value changes);
+  gradient) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``warps``; ``rcp=0``, the quotient as a
+  division instead of ``RCP_QUOTIENT``'s reciprocal; elementwise: no value changes);
 - ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
   ``xla-ln-fwd``, ``xla-ln-bwd``: XLA's residual addition and LayerNorm, forward and backward,
   ``xla-gelu-fwd`` and ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its
@@ -106,12 +107,15 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
             jax.random.normal(k1, (tokens, 4 * D_MODEL), jnp.bfloat16) * 2,
             jax.random.normal(k2, (tokens, 4 * D_MODEL), jnp.bfloat16)))
         one = tokens * 4 * D_MODEL * 2
+        rcp = bool(kw.get("rcp", gk.RCP_QUOTIENT))
         if kind == "gelu-fwd":
-            launch = dict(rows=kw.get("rows", gk.FWD_ROWS), warps=kw.get("warps", gk.FWD_WARPS))
+            launch = dict(rows=kw.get("rows", gk.FWD_ROWS), warps=kw.get("warps", gk.FWD_WARPS),
+                          rcp=rcp)
             f = functools.partial(gk._blocks, gk._fwd_kernel, "model_gelu_fwd", h.dtype, **launch)
             return jax.jit(f), (h,), 2 * one
         if kind == "gelu-bwd":
-            launch = dict(rows=kw.get("rows", gk.BWD_ROWS), warps=kw.get("warps", gk.BWD_WARPS))
+            launch = dict(rows=kw.get("rows", gk.BWD_ROWS), warps=kw.get("warps", gk.BWD_WARPS),
+                          rcp=rcp)
             f = functools.partial(gk._blocks, gk._bwd_kernel, "model_gelu_bwd", h.dtype, **launch)
             return jax.jit(f), (h, g), 3 * one
         fwd = jax.jit(functools.partial(gpt2._gelu, form="erf"))

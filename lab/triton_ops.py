@@ -69,6 +69,13 @@ def _captured_modules():
 
     patches = [(reg.lowering, "lower_jaxpr_to_triton_module", spy)]
     patches += [(m, "interpret_mode", lambda: False) for m in (common, forward, backward)]
+    try:  # the model's kernels too, where the model's dependencies (flax) are installed
+        gelu_kernels, layernorm = (importlib.import_module(f"models.{m}")
+                                   for m in ("gelu_kernels", "layernorm"))
+        patches += [(gelu_kernels, "interpret_mode", lambda: False),
+                    (layernorm, "_interpret", lambda: False)]  # their Triton params
+    except ModuleNotFoundError:
+        pass
     if hasattr(reg, "gpu_info_lib"):  # jax ≥ 0.11 asks the (absent) GPU for its compute capability
         patches.append((reg.gpu_info_lib, "get_gpu_info", _Sm90))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
@@ -103,6 +110,14 @@ def module_text(shape=(1, 1024, 1, 64), causal=True, launch=LAUNCH, **num_kw) ->
     if not seen:
         raise RuntimeError("no Triton module was lowered")
     return seen[-1]
+
+
+def lowered_modules(f, *args) -> list[str]:
+    """The Triton IR of every kernel ``jax.jit(f)(*args)`` lowers for CUDA (``args``: shapes)."""
+    with _captured_modules() as seen:
+        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    return seen
 
 
 def op_counts(shape=(1, 1024, 1, 64), causal=True, **kw) -> collections.Counter:

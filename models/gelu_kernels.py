@@ -8,15 +8,22 @@ is ±1 in FP32, with the coefficients Eigen and XLA use); the operations are gro
 last bits differ from ``gelu="erf"`` — a named option, held to the same bound against float64
 (``tests/helpers.py``, ``assert_gelu_erf_within_bound``). The backward keeps only the bf16 input,
 as ``gelu_from_input`` does, and computes g·(Φ(x) + x·φ(x)) in one pass.
+
+Compiled, the kernels issue about as many instructions as they move bytes can bear (the backward
+more), so the quotient P/Q takes the GPU's reciprocal and a product (``RCP_QUOTIENT``): the two
+instructions FP32 division compiles to once its range checks are dropped, which Q, between −2 and
+−0.014 on the clamped range, never needs; the same bits (a GPU test).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jax_flash.pallas.common import interpret_mode
 from models.layernorm import triton_params
@@ -33,10 +40,24 @@ COLS = 1024  # a program's block is ROWS × COLS of the flattened activations
 # elementwise arithmetic, so they change no value
 FWD_ROWS, FWD_WARPS = 16, 8
 BWD_ROWS, BWD_WARPS = 8, 8
+RCP_QUOTIENT = True  # compiled: P/Q as rcp.approx and a product (no bit moves; False: division)
 
 
-def erf32(x):
-    """FP32 erf as x·P(x²)/Q(x²), x clamped to [−4, 4]."""
+def _quotient(n, d, rcp: bool):
+    """n/d as the GPU's FP32 division computes it for d of normal size: rcp.approx.ftz of d (the
+    one MUFU.RCP the division's expansion runs), then a product the compiler may contract with
+    what follows, as it contracts the division's; plain division when not ``rcp`` or
+    interpreted."""
+    if not rcp or interpret_mode():
+        return n / d
+    r = pltriton.elementwise_inline_asm(
+        "rcp.approx.ftz.f32 $0, $1;", args=[d], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, d.dtype)])[0]
+    return n * r
+
+
+def erf32(x, rcp: bool = False):
+    """FP32 erf as x·P(x²)/Q(x²), x clamped to [−4, 4] (``rcp``: the quotient by ``_quotient``)."""
     x = jnp.clip(x, -4.0, 4.0)
     x2 = x * x
     p = jnp.float32(_P[0])
@@ -45,27 +66,28 @@ def erf32(x):
     q = jnp.float32(_Q[0])
     for b in _Q[1:]:
         q = q * x2 + jnp.float32(b)
-    return x * p / q
+    return _quotient(x * p, q, rcp)
 
 
-def _cdf(x):
-    return (1 + erf32(x * jnp.float32(SQRT_HALF))) / 2
+def _cdf(x, rcp: bool):
+    return (1 + erf32(x * jnp.float32(SQRT_HALF), rcp)) / 2
 
 
-def _fwd_kernel(h_ref, y_ref):
+def _fwd_kernel(h_ref, y_ref, *, rcp: bool):
     x = h_ref[...].astype(jnp.float32)
-    y_ref[...] = (x * _cdf(x)).astype(y_ref.dtype)
+    y_ref[...] = (x * _cdf(x, rcp)).astype(y_ref.dtype)
 
 
-def _bwd_kernel(h_ref, g_ref, dh_ref):
+def _bwd_kernel(h_ref, g_ref, dh_ref, *, rcp: bool):
     x = h_ref[...].astype(jnp.float32)
     pdf = jnp.float32(INV_SQRT_2PI) * jnp.exp(-(x * x) / 2)
-    dh_ref[...] = (g_ref[...].astype(jnp.float32) * (_cdf(x) + x * pdf)).astype(dh_ref.dtype)
+    dh_ref[...] = (g_ref[...].astype(jnp.float32) * (_cdf(x, rcp) + x * pdf)).astype(dh_ref.dtype)
 
 
-def _blocks(kernel, name, out_dtype, *arrays, rows: int, warps: int):
+def _blocks(kernel, name, out_dtype, *arrays, rows: int, warps: int, rcp: bool | None = None):
     """``kernel`` over the arrays flattened into rows of COLS (padded with zeros where the size is
-    not a whole number of blocks), reshaped back."""
+    not a whole number of blocks), reshaped back; ``rcp``: ``RCP_QUOTIENT`` when None."""
+    kernel = functools.partial(kernel, rcp=RCP_QUOTIENT if rcp is None else rcp)
     shape, size = arrays[0].shape, arrays[0].size
     block = rows * COLS
     padded = -(-size // block) * block

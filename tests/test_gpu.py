@@ -566,6 +566,30 @@ def test_gpu_gelu_erf_form_within_its_bound(form):
     assert_gelu_erf_within_bound(form)
 
 
+def test_gpu_gelu_reciprocal_quotient_changes_no_bit():
+    """The Pallas GELU's quotient as the GPU's reciprocal and a product
+    (``gelu_kernels.RCP_QUOTIENT``) against FP32 division: forward and input gradient bitwise on
+    every finite bf16 input, those past the erf's clamp included, with random cotangents."""
+    import functools
+
+    import ml_dtypes
+
+    from models import gelu_kernels as gk
+
+    bits = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    h = jnp.asarray(bits[np.isfinite(bits.astype(np.float32))], BF16)
+    g = jnp.asarray(np.random.default_rng(7).standard_normal(h.shape), BF16)
+
+    def both(rcp):
+        fwd = functools.partial(gk._blocks, gk._fwd_kernel, "model_gelu_fwd", BF16,
+                                rows=gk.FWD_ROWS, warps=gk.FWD_WARPS, rcp=rcp)
+        bwd = functools.partial(gk._blocks, gk._bwd_kernel, "model_gelu_bwd", BF16,
+                                rows=gk.BWD_ROWS, warps=gk.BWD_WARPS, rcp=rcp)
+        return jax.jit(fwd)(h), jax.jit(bwd)(h, g)
+
+    chex.assert_trees_all_equal(both(True), both(False))
+
+
 def test_gpu_cross_entropy_of_bf16_logits_is_autodiffs():
     """cross_entropy of bf16 logits, compiled for the GPU at GPT-2's vocabulary: loss and gradient
     bit-identical to autodiff's of the logits upcast to FP32 (what the bf16-logits option computed

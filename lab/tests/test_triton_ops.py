@@ -47,3 +47,32 @@ def test_scale_late_moves_the_scale_into_the_exponent():
     assert early["64x64"] == BODIES + 1 and late["64x64"] == BODIES
     assert late["64"] == early["64"] + BODIES
     assert late["64x32"] == early["64x32"] == BODIES  # acc·α, untouched
+
+
+def test_gelu_quotient_is_one_reciprocal():
+    """The Pallas GELU's kernels with ``RCP_QUOTIENT``: the erf's quotient is one inline
+    ``rcp.approx.ftz.f32`` and a product instead of an FP32 division (whose expansion adds two
+    range checks and two scalings per entry); the halvings stay divisions by 2 (a product once
+    compiled)."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    pytest.importorskip("flax")  # the model package's dependency
+    from models import gelu_kernels as gk
+
+    h = jax.ShapeDtypeStruct((64, 3072), jnp.bfloat16)
+    def lowered():  # a new function each time: jit's caches would return the first lowering
+        f = jax.value_and_grad(lambda h: jnp.sum(gk.gelu(h).astype(jnp.float32)))
+        return triton_ops.lowered_modules(f, h)
+
+    rcp = lowered()
+    old, gk.RCP_QUOTIENT = gk.RCP_QUOTIENT, False
+    try:
+        div = lowered()
+    finally:
+        gk.RCP_QUOTIENT = old
+    assert len(rcp) == len(div) == 2  # forward, input gradient
+    for a, b in zip(rcp, div):
+        assert a.count("rcp.approx.ftz.f32") == 1 and "rcp.approx" not in b
+        assert a.count("arith.divf") == b.count("arith.divf") - 1
