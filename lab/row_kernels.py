@@ -15,7 +15,8 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
   ``rows``, ``chunk``, ``warps``, ``stages``);
 - ``gelu-fwd``, ``gelu-bwd``: ``models.gelu_kernels`` (the erf-form GELU and its input
   gradient) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``warps``; ``rcp=0``, the quotient as a
-  division instead of ``RCP_QUOTIENT``'s reciprocal; elementwise: no value changes);
+  division instead of ``RCP_QUOTIENT``'s reciprocal; elementwise: no value changes; ``ex2=0``, the
+  backward's φ by libdevice's expf instead of ``EX2_APPROX``'s instruction, other last bits);
 - ``xla-ce``: XLA's loss of the bf16 logits, forward and backward (``models.gpt2.cross_entropy``),
   ``xla-ln-fwd``, ``xla-ln-bwd``: XLA's residual addition and LayerNorm, forward and backward,
   ``xla-gelu-fwd`` and ``xla-gelu-bwd``: XLA's fusions of the model's erf-form GELU and its
@@ -115,7 +116,7 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
             return jax.jit(f), (h,), 2 * one
         if kind == "gelu-bwd":
             launch = dict(rows=kw.get("rows", gk.BWD_ROWS), warps=kw.get("warps", gk.BWD_WARPS),
-                          rcp=rcp)
+                          rcp=rcp, ex2=bool(kw.get("ex2", gk.EX2_APPROX)))
             f = functools.partial(gk._blocks, gk._bwd_kernel, "model_gelu_bwd", h.dtype, **launch)
             return jax.jit(f), (h, g), 3 * one
         fwd = jax.jit(functools.partial(gpt2._gelu, form="erf"))

@@ -9,10 +9,15 @@ last bits differ from ``gelu="erf"`` — a named option, held to the same bound 
 (``tests/helpers.py``, ``assert_gelu_erf_within_bound``). The backward keeps only the bf16 input,
 as ``gelu_from_input`` does, and computes g·(Φ(x) + x·φ(x)) in one pass.
 
-Compiled, the kernels issue about as many instructions as they move bytes can bear (the backward
-more), so the quotient P/Q takes the GPU's reciprocal and a product (``RCP_QUOTIENT``): the two
-instructions FP32 division compiles to once its range checks are dropped, which Q, between −2 and
-−0.014 on the clamped range, never needs; the same bits (a GPU test).
+Compiled, the kernels issue about as many instructions as their bytes take to move (the backward
+more), so two operations take their short forms. The quotient P/Q is the GPU's reciprocal and a
+product (``RCP_QUOTIENT``): the two instructions FP32 division compiles to once its range checks
+are dropped, which Q, between −2 and −0.014 on the clamped range, never needs; the same bits (a GPU
+test). And φ's exponential is the GPU's ex2.approx of x²·(−½·log₂e) (``EX2_APPROX``), one
+instruction and a product where libdevice's accurate expf takes about eight: that changes bits, so
+the backward's bound adds what it costs (the argument's roundings grow with x², the instruction's
+own error; ``tests/helpers.py``). Interpreted, ``jax_flash.tile.exp2`` stands in for the
+instruction.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jax_flash import tile
 from jax_flash.pallas.common import interpret_mode
 from models.layernorm import triton_params
 
 SQRT_HALF = 0.7071067811865476
 INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+NEG_HALF_LOG2E = -0.5 / math.log(2)  # exp(−x²/2) = 2^(x²·NEG_HALF_LOG2E)
 _P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
       -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
       -1.60960333262415e-02)
@@ -41,6 +48,7 @@ COLS = 1024  # a program's block is ROWS × COLS of the flattened activations
 FWD_ROWS, FWD_WARPS = 16, 8
 BWD_ROWS, BWD_WARPS = 8, 8
 RCP_QUOTIENT = True  # compiled: P/Q as rcp.approx and a product (no bit moves; False: division)
+EX2_APPROX = True  # φ's exp as ex2.approx, the option's numerics (False: libdevice's expf)
 
 
 def _quotient(n, d, rcp: bool):
@@ -69,6 +77,19 @@ def erf32(x, rcp: bool = False):
     return _quotient(x * p, q, rcp)
 
 
+def _gauss(x, ex2: bool):
+    """exp(−x²/2) in FP32: with ``ex2``, 2^(x²·(−½·log₂e)) by the GPU's ex2.approx.ftz (the
+    argument ≥ −47: no result is subnormal), by ``tile.exp2`` interpreted; else ``jnp.exp``."""
+    if not ex2:
+        return jnp.exp(-(x * x) / 2)
+    a = (x * x) * jnp.float32(NEG_HALF_LOG2E)
+    if interpret_mode():
+        return tile.exp2(a)
+    return pltriton.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[a], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+
+
 def _cdf(x, rcp: bool):
     return (1 + erf32(x * jnp.float32(SQRT_HALF), rcp)) / 2
 
@@ -78,16 +99,21 @@ def _fwd_kernel(h_ref, y_ref, *, rcp: bool):
     y_ref[...] = (x * _cdf(x, rcp)).astype(y_ref.dtype)
 
 
-def _bwd_kernel(h_ref, g_ref, dh_ref, *, rcp: bool):
+def _bwd_kernel(h_ref, g_ref, dh_ref, *, rcp: bool, ex2: bool):
     x = h_ref[...].astype(jnp.float32)
-    pdf = jnp.float32(INV_SQRT_2PI) * jnp.exp(-(x * x) / 2)
+    pdf = jnp.float32(INV_SQRT_2PI) * _gauss(x, ex2)
     dh_ref[...] = (g_ref[...].astype(jnp.float32) * (_cdf(x, rcp) + x * pdf)).astype(dh_ref.dtype)
 
 
-def _blocks(kernel, name, out_dtype, *arrays, rows: int, warps: int, rcp: bool | None = None):
+def _blocks(kernel, name, out_dtype, *arrays, rows: int, warps: int, rcp: bool | None = None,
+            ex2: bool | None = None):
     """``kernel`` over the arrays flattened into rows of COLS (padded with zeros where the size is
-    not a whole number of blocks), reshaped back; ``rcp``: ``RCP_QUOTIENT`` when None."""
-    kernel = functools.partial(kernel, rcp=RCP_QUOTIENT if rcp is None else rcp)
+    not a whole number of blocks), reshaped back; ``rcp``, ``ex2`` (the backward's): the module's
+    constants when None."""
+    kw = {"rcp": RCP_QUOTIENT if rcp is None else rcp}
+    if kernel is _bwd_kernel:
+        kw["ex2"] = EX2_APPROX if ex2 is None else ex2
+    kernel = functools.partial(kernel, **kw)
     shape, size = arrays[0].shape, arrays[0].size
     block = rows * COLS
     padded = -(-size // block) * block

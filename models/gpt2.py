@@ -124,8 +124,8 @@ class GPTConfig:
     # XLA's erf is one rational polynomial where its erfc takes an exp and two divisions, so "erf"
     # is cheaper, and it loses relative accuracy in the far negative tail (its absolute error there
     # is a few |x|·2⁻²⁴). Last bits differ, so it is a named option. "pallas": the erf form's
-    # arithmetic in two Pallas kernels (models/gelu_kernels.py), the backward from the bf16 input
-    # (recompute_gelu and gelu_from_input change nothing under it)
+    # arithmetic in two Pallas kernels (models/gelu_kernels.py), the backward from the bf16 input,
+    # its φ by the GPU's fast exp2 (recompute_gelu and gelu_from_input change nothing under it)
     gelu: str = "erfc"
     # "xla": flax's two-pass LayerNorm, compiled by XLA; "pallas": the same arithmetic in one Pallas
     # kernel per pass (models/layernorm.py), each residual addition in the kernels of the LayerNorm

@@ -49,11 +49,9 @@ def test_scale_late_moves_the_scale_into_the_exponent():
     assert late["64x32"] == early["64x32"] == BODIES  # acc·α, untouched
 
 
-def test_gelu_quotient_is_one_reciprocal():
-    """The Pallas GELU's kernels with ``RCP_QUOTIENT``: the erf's quotient is one inline
-    ``rcp.approx.ftz.f32`` and a product instead of an FP32 division (whose expansion adds two
-    range checks and two scalings per entry); the halvings stay divisions by 2 (a product once
-    compiled)."""
+def _gelu_modules(**constants):
+    """The Pallas GELU's two Triton modules, forward and input gradient, lowered with
+    ``models.gelu_kernels``' constants set to ``constants``."""
     import jax
     import jax.numpy as jnp
     import pytest
@@ -62,17 +60,35 @@ def test_gelu_quotient_is_one_reciprocal():
     from models import gelu_kernels as gk
 
     h = jax.ShapeDtypeStruct((64, 3072), jnp.bfloat16)
-    def lowered():  # a new function each time: jit's caches would return the first lowering
-        f = jax.value_and_grad(lambda h: jnp.sum(gk.gelu(h).astype(jnp.float32)))
-        return triton_ops.lowered_modules(f, h)
-
-    rcp = lowered()
-    old, gk.RCP_QUOTIENT = gk.RCP_QUOTIENT, False
+    # a new function each time: jit's caches would return the first lowering
+    f = jax.value_and_grad(lambda h: jnp.sum(gk.gelu(h).astype(jnp.float32)))
+    old = {k: getattr(gk, k) for k in constants}
     try:
-        div = lowered()
+        for k, v in constants.items():
+            setattr(gk, k, v)
+        texts = triton_ops.lowered_modules(f, h)
     finally:
-        gk.RCP_QUOTIENT = old
-    assert len(rcp) == len(div) == 2  # forward, input gradient
+        for k, v in old.items():
+            setattr(gk, k, v)
+    assert len(texts) == 2  # forward, input gradient
+    return texts
+
+
+def test_gelu_quotient_is_one_reciprocal():
+    """The Pallas GELU's kernels with ``RCP_QUOTIENT``: the erf's quotient is one inline
+    ``rcp.approx.ftz.f32`` and a product instead of an FP32 division (whose expansion adds two
+    range checks and two scalings per entry); the halvings stay divisions by 2 (a product once
+    compiled)."""
+    rcp, div = _gelu_modules(RCP_QUOTIENT=True), _gelu_modules(RCP_QUOTIENT=False)
     for a, b in zip(rcp, div):
         assert a.count("rcp.approx.ftz.f32") == 1 and "rcp.approx" not in b
         assert a.count("arith.divf") == b.count("arith.divf") - 1
+
+
+def test_gelu_backward_exp_is_the_instruction():
+    """``EX2_APPROX``: the input gradient's φ is one inline ``ex2.approx.ftz.f32`` in place of
+    libdevice's expf (about eight instructions an entry once compiled); the forward has no exp."""
+    (fwd, bwd), (_, lib) = _gelu_modules(EX2_APPROX=True), _gelu_modules(EX2_APPROX=False)
+    assert bwd.count("ex2.approx.ftz.f32") == 1 and "__nv_expf" not in bwd
+    assert "ex2.approx" not in lib and lib.count("__nv_expf") == 1
+    assert "ex2" not in fwd and "__nv_exp" not in fwd
