@@ -127,6 +127,16 @@ def exp2(x):
     return jnp.where(jnp.isnan(x), x, y)
 
 
+def ex2_approx_ftz(x):
+    """2^x of FP32 ``x`` as the PTX instruction ``ex2.approx.ftz.f32`` computes it, inline in a
+    Triton kernel being traced for the GPU (within 2 ulp; results below 2⁻¹²⁶ are 0)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+
+
 def _exp(x, pol):
     if not pol.log2_units:
         return jnp.exp(x)
@@ -134,11 +144,7 @@ def _exp(x, pol):
     if not pol.exp_ftz:
         return exp2(x) if backend == "xla" else jnp.exp2(x)
     if backend == "triton":
-        from jax.experimental.pallas import triton as pltriton
-
-        return pltriton.elementwise_inline_asm(
-            "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+        return ex2_approx_ftz(x)
     if backend == "mosaic":
         return jnp.exp2(x)
     return jnp.where(x < -126.0, 0.0, exp2(x))  # 2^x is subnormal exactly below −126

@@ -12,7 +12,8 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
   reading the rows again instead of holding them);
 - ``ce-fwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, and the statistics and
   gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
-  ``rows``, ``chunk``, ``warps``, ``stages``);
+  ``rows``, ``chunk``, ``warps``, ``stages``; ``ex2=0``, exp by ``jnp.exp`` instead of
+  ``EX2_APPROX``'s instruction, other last bits);
 - ``gelu-fwd``, ``gelu-bwd``: ``models.gelu_kernels`` (the erf-form GELU and its input
   gradient) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``warps``; ``rcp=0``, the quotient as a
   division instead of ``RCP_QUOTIENT``'s reciprocal; elementwise: no value changes; ``ex2=0``, the
@@ -129,6 +130,8 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
         jax.random.normal(k1, (tokens, vocab), jnp.bfloat16) * 3,
         jax.random.randint(k2, (tokens,), 0, vocab)))
     launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages")}
+    if "ex2" in kw:
+        launch["ex2"] = bool(kw["ex2"])
     n_bytes = tokens * vocab * 2
     if kind == "ce-fwd":
         return jax.jit(functools.partial(lk.row_stats, **launch)), (logits, targets), n_bytes

@@ -70,9 +70,11 @@ def _captured_modules():
     patches = [(reg.lowering, "lower_jaxpr_to_triton_module", spy)]
     patches += [(m, "interpret_mode", lambda: False) for m in (common, forward, backward)]
     try:  # the model's kernels too, where the model's dependencies (flax) are installed
-        gelu_kernels, layernorm = (importlib.import_module(f"models.{m}")
-                                   for m in ("gelu_kernels", "layernorm"))
+        gelu_kernels, loss_kernels, layernorm = (
+            importlib.import_module(f"models.{m}")
+            for m in ("gelu_kernels", "loss_kernels", "layernorm"))
         patches += [(gelu_kernels, "interpret_mode", lambda: False),
+                    (loss_kernels, "interpret_mode", lambda: False),
                     (layernorm, "_interpret", lambda: False)]  # their Triton params
     except ModuleNotFoundError:
         pass

@@ -83,11 +83,7 @@ def _gauss(x, ex2: bool):
     if not ex2:
         return jnp.exp(-(x * x) / 2)
     a = (x * x) * jnp.float32(NEG_HALF_LOG2E)
-    if interpret_mode():
-        return tile.exp2(a)
-    return pltriton.elementwise_inline_asm(
-        "ex2.approx.ftz.f32 $0, $1;", args=[a], constraints="=f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+    return tile.exp2(a) if interpret_mode() else tile.ex2_approx_ftz(a)
 
 
 def _cdf(x, rcp: bool):

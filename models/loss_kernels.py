@@ -18,6 +18,11 @@ read of the logits. A loss without a gradient runs the statistics kernel alone.
 A program takes ``BLOCK_ROWS`` rows and walks the vocabulary in chunks of ``CHUNK`` columns
 (Triton's tensors are powers of two), then the remainder in power-of-two pieces: GPT-2's 50,304
 is 49 chunks of 1,024 and one of 128.
+
+Each exponential is exp(d) = 2^(d·log₂e) by the GPU's ex2.approx (``EX2_APPROX``; interpreted,
+``jax_flash.tile.exp2``): one instruction and a product where libdevice's accurate expf takes
+about eight, in a kernel that issues about as many instructions as its bytes take to move. The
+product's rounding and log₂e's join the argument's in the bound.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_flash import tile
+from jax_flash.pallas.common import interpret_mode
 from models.layernorm import row_call
 
 # one row a program in one warp, a chunk 32 FP32 registers a thread: the fastest of the launches
@@ -37,7 +44,18 @@ BLOCK_ROWS = 1
 CHUNK = 1024  # columns per step of the vocabulary loop
 NUM_WARPS = 1
 NUM_STAGES = 2
+EX2_APPROX = True  # exp(d) as 2^(d·log₂e) by ex2.approx, the option's numerics (False: jnp.exp)
 F32 = jnp.float32
+LOG2E = 1.4426950408889634
+
+
+def _exp(d, ex2: bool):
+    """exp(d) in FP32: with ``ex2``, 2^(d·log₂e) by ex2.approx.ftz compiled, by ``tile.exp2``
+    interpreted; else ``jnp.exp``."""
+    if not ex2:
+        return jnp.exp(d)
+    a = d * F32(LOG2E)
+    return tile.exp2(a) if interpret_mode() else tile.ex2_approx_ftz(a)
 
 
 def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
@@ -84,7 +102,7 @@ def _target_logits(x_ref, t):
     return x_ref[lax.broadcasted_iota(jnp.int32, t.shape, 0), t].astype(jnp.float32)
 
 
-def _stats(x_ref, t, *, v: int, chunk: int):
+def _stats(x_ref, t, *, v: int, chunk: int, ex2: bool):
     """(shift, sum of exp(x − shift), target's logit) of the program's rows, in one read: the
     running max and sum a row, rescaled once per chunk after the chunk's max; the target's logit
     read alone (picking it out of every chunk cost a compare and a select per logit: 23 % of the
@@ -94,14 +112,14 @@ def _stats(x_ref, t, *, v: int, chunk: int):
         x = x_ref[:, pl.ds(start, w)].astype(jnp.float32)
         m_new = jnp.maximum(m, jnp.max(x, axis=1))
         shift = _safe(m_new)
-        s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[:, None]), axis=1)
+        s = s * _exp(m - shift, ex2) + jnp.sum(_exp(x - shift[:, None], ex2), axis=1)
         return m_new, s
 
     m, s = _walk(v, chunk, step, (jnp.full(t.shape, -jnp.inf, F32), jnp.zeros(t.shape, F32)))
     return _safe(m), s, _target_logits(x_ref, t)
 
 
-def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int):
+def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int, ex2: bool):
     """dx = exp(x − m)·g/s − g·[target], each row's cotangent ``g``, in dx's dtype, the columns
     walked back from the row's end (elementwise: the same values in any order)."""
     scale = g / s  # the cotangent of each row's log-sum-exp over its sum
@@ -110,29 +128,31 @@ def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int):
         cols = pl.ds(start, w)
         x = x_ref[:, cols].astype(jnp.float32)
         hit = lax.broadcasted_iota(jnp.int32, x.shape, 1) == (t - start)[:, None]
-        dx = jnp.exp(x - m[:, None]) * scale[:, None] - jnp.where(hit, g[:, None], 0.0)
+        dx = _exp(x - m[:, None], ex2) * scale[:, None] - jnp.where(hit, g[:, None], 0.0)
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
         return carry
 
     _walk_back(v, chunk, step, 0)
 
 
-def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int):
-    m_ref[...], s_ref[...], tgt_ref[...] = _stats(x_ref, t_ref[...], v=v, chunk=chunk)
+def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int, ex2: bool):
+    m_ref[...], s_ref[...], tgt_ref[...] = _stats(x_ref, t_ref[...], v=v, chunk=chunk, ex2=ex2)
 
 
-def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: int, chunk: int):
+def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: int, chunk: int,
+                     ex2: bool):
     t = t_ref[...]
-    m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk)
+    m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk, ex2=ex2)
     m_ref[...], s_ref[...], tgt_ref[...] = m, s, tgt
-    _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk)
+    _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk, ex2=ex2)
 
 
 def _call(kernel, x2, ins, outs, name, *args, rows=BLOCK_ROWS, chunk=CHUNK, warps=NUM_WARPS,
-          stages=NUM_STAGES):
+          stages=NUM_STAGES, ex2=None):
     n, v = x2.shape
-    return row_call(functools.partial(kernel, v=v, chunk=chunk), n, v, ins, outs, name, *args,
-                    rows=rows, num_warps=warps, num_stages=stages)
+    ex2 = EX2_APPROX if ex2 is None else ex2
+    return row_call(functools.partial(kernel, v=v, chunk=chunk, ex2=ex2), n, v, ins, outs, name,
+                    *args, rows=rows, num_warps=warps, num_stages=stages)
 
 
 def _flat(logits, targets):

@@ -486,20 +486,21 @@ def cross_entropy_bounds(x64, targets, pieces):
     ``loss_kernels.pieces(V)``: (chunk c, full chunks n, remainder widths).
 
     With y = m − x ≥ 0 (m the row max, exact: a max of bf16 values) and p the softmax:
-    - each exp(x − shift) carries its argument's rounding, u·y, and the exp's own error, taken
-      as 4u (the GPU's approximate exp2 is within 2⁻²² relative; XLA's exp within that) — summed
-      with the weights p: u·Σp·y + 4u;
+    - each exp(x − shift) is 2^((x − shift)·log₂e) (``loss_kernels.EX2_APPROX``): the argument
+      carries three roundings (the difference, log₂e, the product), 3u·y once exponentiated, and
+      the exp2 its own error, taken as 4u (the GPU's ex2.approx is within 2 ulp, 2⁻²² relative;
+      XLA's exp within that) — summed with the weights p: 3u·Σp·y + 4u;
     - each of the ``steps`` rescalings by exp(m_old − m_new) adds 4u + u (the product), and their
-      arguments' roundings add up to u·(m − the row's finite minimum); ``steps`` is one a chunk
+      arguments' roundings add up to 3u·(m − the row's finite minimum); ``steps`` is one a chunk
       and remainder piece;
     - a sum of positive terms in any order is within (terms − 1)·u relative: c − 1 inside a chunk
       and ``steps`` across them.
-    So s is within rel_s = 4u·(1 + steps) + u·(Σp·y + range + c − 1 + 2·steps), first order (times
-    1.01 for the rest), and log s + m within that of the exact log-sum-exp. The loss adds the FP32
-    log (2 ulps), the row's subtraction and the mean's N − 1 additions and division. The gradient
-    (p − [target])/N per element adds 1/N's and 1/s's roundings, its exp (4u + u·y), the product,
-    and the target's subtraction (u of the result), then FP32's flush below 2⁻¹²⁶; the caller adds
-    half an ulp, in the logits' dtype, of the value it got for the final rounding.
+    So s is within rel_s = 4u·(1 + steps) + u·(3·Σp·y + 3·range + c − 1 + 2·steps), first order
+    (times 1.01 for the rest), and log s + m within that of the exact log-sum-exp. The loss adds the
+    FP32 log (2 ulps), the row's subtraction and the mean's N − 1 additions and division. The
+    gradient (p − [target])/N per element adds 1/N's and 1/s's roundings, its exp (4u + 3u·y), the
+    product, and the target's subtraction (u of the result), then FP32's flush below 2⁻¹²⁶; the
+    caller adds half an ulp, in the logits' dtype, of the value it got for the final rounding.
 
     Returns (lse, rel_s, loss, loss_tol, grad, grad_tol) in float64."""
     u = U32
@@ -514,7 +515,7 @@ def cross_entropy_bounds(x64, targets, pieces):
     p = e / s[:, None]
     py = np.sum(np.where(finite, p * np.where(finite, y, 0.0), 0.0), axis=1)
     rng = m - np.min(np.where(finite, x64, np.inf), axis=1)
-    rel_s = 1.01 * (4 * u * (1 + steps) + u * (py + rng + c - 1 + 2 * steps))
+    rel_s = 1.01 * (4 * u * (1 + steps) + u * (3 * py + 3 * rng + c - 1 + 2 * steps))
     lse = np.log(s) + m
     row = lse - x64[rows, targets]
     nrows = x64.shape[0]
@@ -525,7 +526,7 @@ def cross_entropy_bounds(x64, targets, pieces):
     hit[rows, targets] = 1.0
     grad = (p - hit) / nrows
     yf = np.where(finite, y, 0.0)
-    grad_tol = (1.01 * p / nrows * (rel_s[:, None] + 4 * u + u * yf + 4 * u)
+    grad_tol = (1.01 * p / nrows * (rel_s[:, None] + 4 * u + 3 * u * yf + 4 * u)
                 + u * np.abs(grad) + 2.0 ** -126)
     return lse, rel_s, loss, loss_tol, grad, grad_tol
 

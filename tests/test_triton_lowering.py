@@ -26,6 +26,7 @@ def compiled_mode(monkeypatch):
         monkeypatch.setattr(sys.modules[name], "interpret_mode", off)
     monkeypatch.setattr(layernorm, "_interpret", off)
     monkeypatch.setattr(gelu_kernels, "interpret_mode", off)
+    monkeypatch.setattr(loss_kernels, "interpret_mode", off)
 
 
 def _triton_calls(f, *args) -> int:

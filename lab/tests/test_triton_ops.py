@@ -49,28 +49,35 @@ def test_scale_late_moves_the_scale_into_the_exponent():
     assert late["64x32"] == early["64x32"] == BODIES  # acc·α, untouched
 
 
-def _gelu_modules(**constants):
-    """The Pallas GELU's two Triton modules, forward and input gradient, lowered with
-    ``models.gelu_kernels``' constants set to ``constants``."""
+def _model_modules(kind: str, **constants):
+    """The Triton modules of the model's Pallas GELU (``kind="gelu"``: forward, input gradient)
+    or loss (``"loss"``: the training forward), lowered with the kernel module's constants set to
+    ``constants``."""
+    import importlib
+
     import jax
     import jax.numpy as jnp
     import pytest
 
     pytest.importorskip("flax")  # the model package's dependency
-    from models import gelu_kernels as gk
-
-    h = jax.ShapeDtypeStruct((64, 3072), jnp.bfloat16)
+    mod = importlib.import_module(f"models.{kind}_kernels")
     # a new function each time: jit's caches would return the first lowering
-    f = jax.value_and_grad(lambda h: jnp.sum(gk.gelu(h).astype(jnp.float32)))
-    old = {k: getattr(gk, k) for k in constants}
+    if kind == "gelu":
+        f = jax.value_and_grad(lambda h: jnp.sum(mod.gelu(h).astype(jnp.float32)))
+        args = (jax.ShapeDtypeStruct((64, 3072), jnp.bfloat16),)
+    else:
+        f = jax.value_and_grad(lambda x, t: mod.cross_entropy(x, t))
+        args = (jax.ShapeDtypeStruct((64, 50304), jnp.bfloat16),
+                jax.ShapeDtypeStruct((64,), jnp.int32))
+    old = {k: getattr(mod, k) for k in constants}
     try:
         for k, v in constants.items():
-            setattr(gk, k, v)
-        texts = triton_ops.lowered_modules(f, h)
+            setattr(mod, k, v)
+        texts = triton_ops.lowered_modules(f, *args)
     finally:
         for k, v in old.items():
-            setattr(gk, k, v)
-    assert len(texts) == 2  # forward, input gradient
+            setattr(mod, k, v)
+    assert len(texts) == (2 if kind == "gelu" else 1)
     return texts
 
 
@@ -79,7 +86,7 @@ def test_gelu_quotient_is_one_reciprocal():
     ``rcp.approx.ftz.f32`` and a product instead of an FP32 division (whose expansion adds two
     range checks and two scalings per entry); the halvings stay divisions by 2 (a product once
     compiled)."""
-    rcp, div = _gelu_modules(RCP_QUOTIENT=True), _gelu_modules(RCP_QUOTIENT=False)
+    rcp, div = (_model_modules("gelu", RCP_QUOTIENT=v) for v in (True, False))
     for a, b in zip(rcp, div):
         assert a.count("rcp.approx.ftz.f32") == 1 and "rcp.approx" not in b
         assert a.count("arith.divf") == b.count("arith.divf") - 1
@@ -88,7 +95,16 @@ def test_gelu_quotient_is_one_reciprocal():
 def test_gelu_backward_exp_is_the_instruction():
     """``EX2_APPROX``: the input gradient's φ is one inline ``ex2.approx.ftz.f32`` in place of
     libdevice's expf (about eight instructions an entry once compiled); the forward has no exp."""
-    (fwd, bwd), (_, lib) = _gelu_modules(EX2_APPROX=True), _gelu_modules(EX2_APPROX=False)
+    (fwd, bwd), (_, lib) = (_model_modules("gelu", EX2_APPROX=v) for v in (True, False))
     assert bwd.count("ex2.approx.ftz.f32") == 1 and "__nv_expf" not in bwd
     assert "ex2.approx" not in lib and lib.count("__nv_expf") == 1
     assert "ex2" not in fwd and "__nv_exp" not in fwd
+
+
+def test_loss_exps_are_the_instruction():
+    """``loss_kernels.EX2_APPROX``: every exp of the loss's training kernel (the chunk's entries and
+    the running sum's rescaling, per loop and remainder piece; the gradient's) is one inline
+    ``ex2.approx.ftz.f32``, none libdevice's expf; without it, all are."""
+    ((ex2,),), ((lib,),) = ((_model_modules("loss", EX2_APPROX=v),) for v in (True, False))
+    assert ex2.count("ex2.approx.ftz.f32") == lib.count("__nv_expf") >= 4
+    assert "__nv_expf" not in ex2 and "ex2.approx" not in lib
