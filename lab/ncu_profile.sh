@@ -6,6 +6,8 @@
 # PASS: fwd (one jax_flash kernel per call) or fwd+bwd (three: forward, dK/dV, dQ);
 # ENTRY: a candidate of lab/entries.json (e.g. k128: its launch, and its tiles as call arguments)
 # instead of the shipped table's launch (variants as in lab.ab: new@ENTRY).
+# CASE = row:SPEC profiles one of the model's row kernels instead: SPEC a lab.row_kernels variant
+# of ours (e.g. row:ln-bwd:reload=1, row:gelu-bwd), at $TOKENS tokens (32768).
 # Writes $OUT/ncu/<case>.csv (details page: speed of light, pipes, warp stalls, instruction mix)
 # and <case>-raw.csv (every raw metric), and a one-line summary per kernel to stdout.
 set -u
@@ -37,16 +39,33 @@ print(spec, json.dumps(plan.to_dict()))  # into the case's log: what ran
 for _ in range(3):
     jax.block_until_ready(g(q, k, v))
 PY
+ROW_DRIVER=$(mktemp --suffix=.py)
+cat > "$ROW_DRIVER" <<'PY'
+# Runs one row-kernel variant of lab.row_kernels three times (one kernel a call).
+import sys
+import jax
+from lab import row_kernels
+f, args, _ = row_kernels.build(sys.argv[1], int(sys.argv[2]))
+for _ in range(3):
+    jax.block_until_ready(f(*args))
+PY
 for case in "${CASES[@]}"; do
-  IFS=: read -r shape policy stable pss entry <<< "$case"
-  case "$pss" in fwd|fwd+bwd) ;; *) echo "$case: PASS must be fwd or fwd+bwd"; continue ;; esac
-  n=$([ "$pss" = fwd ] && echo 1 || echo 3)  # jax_flash kernels per call: fwd; or fwd, dK/dV, dQ
-  name=$(echo "$case" | tr ':+' '__')
+  name=$(echo "$case" | tr ':+;=' '____')
   rep=$(mktemp -d)/prof
-  # shellcheck disable=SC2086
-  timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --target-processes all -k regex:jax_flash \
-    --launch-skip "$n" --launch-count "$n" $SECTIONS -o "$rep" \
-    python3 "$DRIVER" "$shape" "$policy" "$stable" "$pss" "${entry:-}" > "$OUT/ncu/$name.log" 2>&1
+  if [[ "$case" == row:* ]]; then  # one model kernel a call: skip the first call's
+    # shellcheck disable=SC2086
+    timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --target-processes all -k regex:model_ \
+      --launch-skip 1 --launch-count 1 $SECTIONS -o "$rep" \
+      python3 "$ROW_DRIVER" "${case#row:}" "${TOKENS:-32768}" > "$OUT/ncu/$name.log" 2>&1
+  else
+    IFS=: read -r shape policy stable pss entry <<< "$case"
+    case "$pss" in fwd|fwd+bwd) ;; *) echo "$case: PASS must be fwd or fwd+bwd"; continue ;; esac
+    n=$([ "$pss" = fwd ] && echo 1 || echo 3)  # jax_flash kernels a call: fwd; or fwd, dK/dV, dQ
+    # shellcheck disable=SC2086
+    timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --target-processes all -k regex:jax_flash \
+      --launch-skip "$n" --launch-count "$n" $SECTIONS -o "$rep" \
+      python3 "$DRIVER" "$shape" "$policy" "$stable" "$pss" "${entry:-}" > "$OUT/ncu/$name.log" 2>&1
+  fi
   echo "$case: ncu exit $?"
   if [ -f "$rep.ncu-rep" ]; then
     ncu --import "$rep.ncu-rep" --csv --page details > "$OUT/ncu/$name.csv" 2>/dev/null
@@ -69,4 +88,4 @@ PY
     tail -5 "$OUT/ncu/$name.log"
   fi
 done
-rm -f "$DRIVER"
+rm -f "$DRIVER" "$ROW_DRIVER"

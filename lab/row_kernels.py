@@ -61,6 +61,25 @@ def parse(spec: str) -> tuple[str, dict]:
     return kind, kw
 
 
+# each kind's launch keys (``parse``'s) and how each value is read; XLA's kinds take none
+KEYS = {"ln-fwd": ("rows", "sub", "warps", "stages"),
+        "ln-bwd": ("rows", "sub", "warps", "stages", "reload"),
+        "ce-fwd": ("rows", "chunk", "warps", "stages", "ex2"),
+        "ce-fused": ("rows", "chunk", "warps", "stages", "ex2"),
+        "gelu-fwd": ("rows", "warps", "rcp"), "gelu-bwd": ("rows", "warps", "rcp", "ex2")}
+FLAGS = ("reload", "ex2", "rcp")
+
+
+def launch_kwargs(kind: str, kw: dict) -> dict:
+    """The kernel's keyword arguments for a variant's keys: switches as booleans, the rest as
+    given; a key the kind does not take is an error (a silently dropped key would time the
+    shipped kernel under the variant's name)."""
+    unknown = set(kw) - set(KEYS.get(kind, ()))
+    if unknown:
+        raise ValueError(f"{kind} takes no {sorted(unknown)}; its keys: {KEYS.get(kind, ())}")
+    return {k: bool(v) if k in FLAGS else v for k, v in kw.items()}
+
+
 def build(spec: str, tokens: int, vocab: int = VOCAB):
     """(jitted function, its arguments, bytes it must move) for one variant (the loss's at
     ``vocab`` columns)."""
@@ -70,6 +89,7 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
     from models import gpt2, layernorm, loss_kernels as lk
 
     kind, kw = parse(spec)
+    launch = launch_kwargs(kind, kw)
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     # inputs made once per shape: every variant of a kind reads the same arrays (and the device
     # holds one copy of the 3.3 GB logits, not one a variant)
@@ -81,7 +101,6 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
             1.0 + 0.1 * jax.random.normal(k3, (D_MODEL,), jnp.float32),
             jax.random.normal(k4, (tokens, D_MODEL), jnp.bfloat16),
             jax.random.normal(k1, (tokens, D_MODEL), jnp.float32)))
-        launch = {k: v for k, v in kw.items() if k in ("rows", "sub", "warps", "stages")}
         if kind in ("ln-fwd", "xla-ln-fwd"):
             moved = tokens * D_MODEL * (4 + 2 + 4 + 2)  # x, r in; s, y out
             if kind == "ln-fwd":
@@ -109,15 +128,12 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
             jax.random.normal(k1, (tokens, 4 * D_MODEL), jnp.bfloat16) * 2,
             jax.random.normal(k2, (tokens, 4 * D_MODEL), jnp.bfloat16)))
         one = tokens * 4 * D_MODEL * 2
-        rcp = bool(kw.get("rcp", gk.RCP_QUOTIENT))
         if kind == "gelu-fwd":
-            launch = dict(rows=kw.get("rows", gk.FWD_ROWS), warps=kw.get("warps", gk.FWD_WARPS),
-                          rcp=rcp)
+            launch = dict(rows=gk.FWD_ROWS, warps=gk.FWD_WARPS) | launch
             f = functools.partial(gk._blocks, gk._fwd_kernel, "model_gelu_fwd", h.dtype, **launch)
             return jax.jit(f), (h,), 2 * one
         if kind == "gelu-bwd":
-            launch = dict(rows=kw.get("rows", gk.BWD_ROWS), warps=kw.get("warps", gk.BWD_WARPS),
-                          rcp=rcp, ex2=bool(kw.get("ex2", gk.EX2_APPROX)))
+            launch = dict(rows=gk.BWD_ROWS, warps=gk.BWD_WARPS) | launch
             f = functools.partial(gk._blocks, gk._bwd_kernel, "model_gelu_bwd", h.dtype, **launch)
             return jax.jit(f), (h, g), 3 * one
         fwd = jax.jit(functools.partial(gpt2._gelu, form="erf"))
@@ -129,9 +145,6 @@ def build(spec: str, tokens: int, vocab: int = VOCAB):
     logits, targets = cached(f"ce{vocab}", lambda: (
         jax.random.normal(k1, (tokens, vocab), jnp.bfloat16) * 3,
         jax.random.randint(k2, (tokens,), 0, vocab)))
-    launch = {k: v for k, v in kw.items() if k in ("rows", "chunk", "warps", "stages")}
-    if "ex2" in kw:
-        launch["ex2"] = bool(kw["ex2"])
     n_bytes = tokens * vocab * 2
     if kind == "ce-fwd":
         return jax.jit(functools.partial(lk.row_stats, **launch)), (logits, targets), n_bytes

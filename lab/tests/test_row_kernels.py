@@ -4,6 +4,7 @@ and runs, the fused loss kernel's outputs are the two kernels', and the table re
 import chex
 import jax
 import jax.numpy as jnp
+import pytest
 
 from lab import row_kernels as rk
 
@@ -12,6 +13,20 @@ def test_variants_parse_with_shipped_defaults_for_missing_keys():
     assert rk.parse("ln-bwd") == ("ln-bwd", {})
     assert rk.parse("ln-bwd:sub=2;warps=8") == ("ln-bwd", {"sub": 2, "warps": 8})
     assert rk.parse("ce-fwd:rows=1;warps=1") == ("ce-fwd", {"rows": 1, "warps": 1})
+
+
+def test_launch_keys_reach_the_kernel_or_fail():
+    """A variant's keys become the kernel's arguments, switches as booleans; a key its kind does
+    not take fails rather than timing the shipped kernel under the variant's name."""
+    assert rk.launch_kwargs("ln-bwd", {"reload": 1, "sub": 2}) == {"reload": True, "sub": 2}
+    assert rk.launch_kwargs("gelu-bwd", {"rcp": 0, "ex2": 0}) == {"rcp": False, "ex2": False}
+    assert rk.launch_kwargs("ce-fused", {"ex2": 0}) == {"ex2": False}
+    for kind, kw in (("ln-fwd", {"reload": 1}), ("gelu-fwd", {"ex2": 0}), ("xla-ln-bwd", {"rows": 8}),
+                     ("ce-fwd", {"sub": 2})):
+        with pytest.raises(ValueError, match="takes no"):
+            rk.launch_kwargs(kind, kw)
+    with pytest.raises(ValueError, match="takes no"):
+        rk.build("ln-fwd:reload=1", 16)
 
 
 def test_fused_kernel_is_the_statistics_kernel_and_the_gradient():
