@@ -13,7 +13,8 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
 - ``ce-fwd``, ``ce-fused``: ``models.loss_kernels``' statistics kernel, and the statistics and
   gradient in one kernel (the training forward's), on bf16 logits ``[tokens, 50304]`` (keys:
   ``rows``, ``chunk``, ``warps``, ``stages``; ``ex2=0``, exp by ``jnp.exp`` instead of
-  ``EX2_APPROX``'s instruction, other last bits);
+  ``EX2_APPROX``'s instruction, other last bits; ``fixup=1``, ce-fused's gradient walk without
+  the target's compare, each target entry written after it, ``TARGET_FIXUP``: no value changes);
 - ``gelu-fwd``, ``gelu-bwd``: ``models.gelu_kernels`` (the erf-form GELU and its input
   gradient) on bf16 ``[tokens, 3072]`` (keys: ``rows``, ``warps``; ``rcp=0``, the quotient as a
   division instead of ``RCP_QUOTIENT``'s reciprocal; elementwise: no value changes; ``ex2=0``, the
@@ -65,9 +66,9 @@ def parse(spec: str) -> tuple[str, dict]:
 KEYS = {"ln-fwd": ("rows", "sub", "warps", "stages"),
         "ln-bwd": ("rows", "sub", "warps", "stages", "reload"),
         "ce-fwd": ("rows", "chunk", "warps", "stages", "ex2"),
-        "ce-fused": ("rows", "chunk", "warps", "stages", "ex2"),
+        "ce-fused": ("rows", "chunk", "warps", "stages", "ex2", "fixup"),
         "gelu-fwd": ("rows", "warps", "rcp"), "gelu-bwd": ("rows", "warps", "rcp", "ex2")}
-FLAGS = ("reload", "ex2", "rcp")
+FLAGS = ("reload", "ex2", "rcp", "fixup")
 
 
 def launch_kwargs(kind: str, kw: dict) -> dict:

@@ -22,7 +22,9 @@ is 49 chunks of 1,024 and one of 128.
 Each exponential is exp(d) = 2^(d·log₂e) by the GPU's ex2.approx (``EX2_APPROX``; interpreted,
 ``jax_flash.tile.exp2``): one instruction and a product where libdevice's accurate expf takes
 about eight, in a kernel that issues about as many instructions as its bytes take to move. The
-product's rounding and log₂e's join the argument's in the bound.
+product's rounding and log₂e's join the argument's in the bound. ``TARGET_FIXUP`` (off) drops the
+gradient walk's compare and select per logit, writing each row's target entry again after it: the
+same values (a GPU test), for when the second read comes from cache and instructions bound the walk.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jax_flash import tile
 from jax_flash.pallas.common import interpret_mode
@@ -45,6 +48,7 @@ CHUNK = 1024  # columns per step of the vocabulary loop
 NUM_WARPS = 1
 NUM_STAGES = 2
 EX2_APPROX = True  # exp(d) as 2^(d·log₂e) by ex2.approx, the option's numerics (False: jnp.exp)
+TARGET_FIXUP = False  # the gradient's target entries written after the walk (no value changes)
 F32 = jnp.float32
 LOG2E = 1.4426950408889634
 
@@ -119,20 +123,30 @@ def _stats(x_ref, t, *, v: int, chunk: int, ex2: bool):
     return _safe(m), s, _target_logits(x_ref, t)
 
 
-def _grad(x_ref, t, m, s, g, dx_ref, *, v: int, chunk: int, ex2: bool):
+def _grad(x_ref, t, m, s, tgt, g, dx_ref, *, v: int, chunk: int, ex2: bool, fixup: bool):
     """dx = exp(x − m)·g/s − g·[target], each row's cotangent ``g``, in dx's dtype, the columns
-    walked back from the row's end (elementwise: the same values in any order)."""
+    walked back from the row's end (elementwise: the same values in any order). ``fixup``: the
+    walk writes exp(x − m)·g/s everywhere, without a compare and a select per logit, and each
+    row's target entry is written again afterwards from its logit ``tgt`` by the same expression
+    with g subtracted (the same values: x − 0 is x)."""
     scale = g / s  # the cotangent of each row's log-sum-exp over its sum
 
     def step(start, w, carry):
         cols = pl.ds(start, w)
         x = x_ref[:, cols].astype(jnp.float32)
-        hit = lax.broadcasted_iota(jnp.int32, x.shape, 1) == (t - start)[:, None]
-        dx = _exp(x - m[:, None], ex2) * scale[:, None] - jnp.where(hit, g[:, None], 0.0)
+        dx = _exp(x - m[:, None], ex2) * scale[:, None]
+        if not fixup:
+            hit = lax.broadcasted_iota(jnp.int32, x.shape, 1) == (t - start)[:, None]
+            dx = dx - jnp.where(hit, g[:, None], 0.0)
         dx_ref[:, cols] = dx.astype(dx_ref.dtype)
         return carry
 
     _walk_back(v, chunk, step, 0)
+    if fixup:
+        if not interpret_mode():
+            pltriton.debug_barrier()  # the walk's stores of the program land before this one
+        rows = lax.broadcasted_iota(jnp.int32, t.shape, 0)
+        dx_ref[rows, t] = (_exp(tgt - m, ex2) * scale - g).astype(dx_ref.dtype)
 
 
 def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int, ex2: bool):
@@ -140,18 +154,20 @@ def _fwd_kernel(x_ref, t_ref, m_ref, s_ref, tgt_ref, *, v: int, chunk: int, ex2:
 
 
 def _fwd_grad_kernel(x_ref, t_ref, g_ref, m_ref, s_ref, tgt_ref, dx_ref, *, v: int, chunk: int,
-                     ex2: bool):
+                     ex2: bool, fixup: bool):
     t = t_ref[...]
     m, s, tgt = _stats(x_ref, t, v=v, chunk=chunk, ex2=ex2)
     m_ref[...], s_ref[...], tgt_ref[...] = m, s, tgt
-    _grad(x_ref, t, m, s, g_ref[...], dx_ref, v=v, chunk=chunk, ex2=ex2)
+    _grad(x_ref, t, m, s, tgt, g_ref[...], dx_ref, v=v, chunk=chunk, ex2=ex2, fixup=fixup)
 
 
 def _call(kernel, x2, ins, outs, name, *args, rows=BLOCK_ROWS, chunk=CHUNK, warps=NUM_WARPS,
-          stages=NUM_STAGES, ex2=None):
+          stages=NUM_STAGES, ex2=None, fixup=None):
     n, v = x2.shape
-    ex2 = EX2_APPROX if ex2 is None else ex2
-    return row_call(functools.partial(kernel, v=v, chunk=chunk, ex2=ex2), n, v, ins, outs, name,
+    kw = {"ex2": EX2_APPROX if ex2 is None else ex2}
+    if kernel is _fwd_grad_kernel:
+        kw["fixup"] = TARGET_FIXUP if fixup is None else fixup
+    return row_call(functools.partial(kernel, v=v, chunk=chunk, **kw), n, v, ins, outs, name,
                     *args, rows=rows, num_warps=warps, num_stages=stages)
 
 

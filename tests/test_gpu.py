@@ -542,6 +542,25 @@ def test_gpu_pallas_cross_entropy_within_its_bound():
     chex.assert_trees_all_equal((m, s, tgt), jax.jit(lk.row_stats)(logits, targets))
 
 
+@pytest.mark.parametrize("warps,chunk", [(None, None), (16, 8192)])
+def test_gpu_loss_target_fixup_changes_no_bit(warps, chunk):
+    """The loss's training kernel with ``loss_kernels.TARGET_FIXUP`` (the walk without a compare and
+    a select per logit, each target entry written again after it) against the masked walk, at
+    GPT-2's vocabulary, targets at the first column, the last and in the remainder piece: the
+    statistics and every gradient element bitwise; at the shipped launch and a 16-warp one."""
+    import functools
+
+    from models import loss_kernels as lk
+
+    logits, targets = _gpt2_logits(rows=1024)
+    targets = targets.at[:3].set(jnp.asarray([0, 50303, 50200], jnp.int32))
+    g_rows = jnp.full((1024,), 1.0 / 1024, jnp.float32)
+    launch = {} if warps is None else {"warps": warps, "chunk": chunk}
+    run = lambda fixup: jax.jit(functools.partial(lk.row_stats_and_grad, fixup=fixup, **launch))(
+        logits, targets, g_rows)
+    chex.assert_trees_all_equal(run(True), run(False))
+
+
 @pytest.mark.parametrize("stable", [False, True])
 def test_gpu_attention_qkvpacked_is_attention_of_its_slots(stable):
     """``attention_qkvpacked`` compiled for the GPU at GPT-2's shape (the Triton kernels reading the

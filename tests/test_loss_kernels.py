@@ -55,6 +55,19 @@ def test_training_forward_is_the_statistics_kernel_and_scales_its_gradient():
     assert np.all(np.abs(np.asarray(g2, np.float64) - want) <= half_ulp(want, x.dtype) + flush)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_target_fixup_changes_no_bit(rows):
+    """``TARGET_FIXUP``: the gradient's walk without the target's compare and select, each row's
+    target entry written again after it, gives the masked walk's statistics and gradient bit for
+    bit, targets at the first column, the last and inside the remainder piece."""
+    v = 2048 + 64 + 3
+    x, t = _logits(11, 16, v, jnp.bfloat16)
+    t = t.at[:3].set(jnp.asarray([0, v - 1, v - 10], jnp.int32))
+    g = jnp.full((16,), 1.0 / 16, jnp.float32)
+    run = lambda fixup: lk.row_stats_and_grad(x, t, g, rows=rows, fixup=fixup)
+    chex.assert_trees_all_equal(run(True), run(False))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_target_logit_is_the_logit_at_any_rows_per_program(rows):
     """The kernels read each row's target logit alone (one gathered element a row): exactly the

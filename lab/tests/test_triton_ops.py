@@ -108,3 +108,11 @@ def test_loss_exps_are_the_instruction():
     ((ex2,),), ((lib,),) = ((_model_modules("loss", EX2_APPROX=v),) for v in (True, False))
     assert ex2.count("ex2.approx.ftz.f32") == lib.count("__nv_expf") >= 4
     assert "__nv_expf" not in ex2 and "ex2.approx" not in lib
+
+
+def test_loss_target_fixup_drops_the_compare():
+    """``loss_kernels.TARGET_FIXUP``: the gradient's walk has no integer compare (the target's) and
+    the kernel one more store (each row's target entry) behind one barrier."""
+    ((fix,),), ((mask,),) = ((_model_modules("loss", TARGET_FIXUP=v),) for v in (True, False))
+    assert "arith.cmpi" not in fix and mask.count("arith.cmpi") >= 2
+    assert fix.count("tt.store") == mask.count("tt.store") + 1 and fix.count("gpu.barrier") == 1
