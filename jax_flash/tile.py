@@ -127,14 +127,26 @@ def exp2(x):
     return jnp.where(jnp.isnan(x), x, y)
 
 
-def ex2_approx_ftz(x):
-    """2^x of FP32 ``x`` as the PTX instruction ``ex2.approx.ftz.f32`` computes it, inline in a
-    Triton kernel being traced for the GPU (within 2 ulp; results below 2⁻¹²⁶ are 0)."""
+def _ptx_f32(instruction: str, x):
+    """``instruction`` (a unary FP32 PTX instruction) of each entry of ``x``, inline in a Triton
+    kernel being traced for the GPU."""
     from jax.experimental.pallas import triton as pltriton
 
     return pltriton.elementwise_inline_asm(
-        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        f"{instruction} $0, $1;", args=[x], constraints="=f,f", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+
+
+def ex2_approx_ftz(x):
+    """2^x of FP32 ``x`` as the PTX instruction ``ex2.approx.ftz.f32`` computes it, inline in a
+    Triton kernel being traced for the GPU (within 2 ulp; results below 2⁻¹²⁶ are 0)."""
+    return _ptx_f32("ex2.approx.ftz.f32", x)
+
+
+def rcp_approx_ftz(x):
+    """1/x of FP32 ``x`` as ``rcp.approx.ftz.f32`` computes it (the MUFU.RCP FP32 division
+    compiles to), inline in a Triton kernel being traced for the GPU."""
+    return _ptx_f32("rcp.approx.ftz.f32", x)
 
 
 def _exp(x, pol):

@@ -28,10 +28,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jax_flash import tile
-from jax_flash.pallas.common import interpret_mode
+from jax_flash.pallas.common import exp2_ftz, interpret_mode
 from models.layernorm import triton_params
 
 SQRT_HALF = 0.7071067811865476
@@ -58,10 +57,7 @@ def _quotient(n, d, rcp: bool):
     interpreted."""
     if not rcp or interpret_mode():
         return n / d
-    r = pltriton.elementwise_inline_asm(
-        "rcp.approx.ftz.f32 $0, $1;", args=[d], constraints="=f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, d.dtype)])[0]
-    return n * r
+    return n * tile.rcp_approx_ftz(d)
 
 
 def erf32(x, rcp: bool = False):
@@ -82,8 +78,7 @@ def _gauss(x, ex2: bool):
     argument ≥ −47: no result is subnormal), by ``tile.exp2`` interpreted; else ``jnp.exp``."""
     if not ex2:
         return jnp.exp(-(x * x) / 2)
-    a = (x * x) * jnp.float32(NEG_HALF_LOG2E)
-    return tile.exp2(a) if interpret_mode() else tile.ex2_approx_ftz(a)
+    return exp2_ftz((x * x) * jnp.float32(NEG_HALF_LOG2E))
 
 
 def _cdf(x, rcp: bool):

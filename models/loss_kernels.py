@@ -37,8 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax_flash import tile
-from jax_flash.pallas.common import interpret_mode
+from jax_flash.pallas.common import exp2_ftz, interpret_mode
 from models.layernorm import row_call
 
 # one row a program in one warp, a chunk 32 FP32 registers a thread: the fastest of the launches
@@ -58,8 +57,7 @@ def _exp(d, ex2: bool):
     interpreted; else ``jnp.exp``."""
     if not ex2:
         return jnp.exp(d)
-    a = d * F32(LOG2E)
-    return tile.exp2(a) if interpret_mode() else tile.ex2_approx_ftz(a)
+    return exp2_ftz(d * F32(LOG2E))
 
 
 def pieces(v: int, chunk: int = CHUNK) -> tuple[int, int, tuple[int, ...]]:
