@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jax_flash.pallas.common import exp2_ftz, interpret_mode
+from jax_flash.policy import LOG2E
 from models.layernorm import row_call
 
 # one row a program in one warp, a chunk 32 FP32 registers a thread: the fastest of the launches
@@ -49,7 +50,6 @@ NUM_STAGES = 2
 EX2_APPROX = True  # exp(d) as 2^(d·log₂e) by ex2.approx, the option's numerics (False: jnp.exp)
 TARGET_FIXUP = False  # the gradient's target entries written after the walk (no value changes)
 F32 = jnp.float32
-LOG2E = 1.4426950408889634
 
 
 def _exp(d, ex2: bool):
