@@ -4,6 +4,7 @@ step's shapes, variants interleaved in one process.
     python -m lab.row_kernels [--tokens 32768] [--variants SPEC,...] [--rounds 6] [--reps 20]
         [--out FILE.json]                               # on the GPU
     python -m lab.row_kernels --from-json FILE.json     # the table again (any machine)
+    python -m lab.row_kernels --pick FILE.json ... [--write]  # the faster launch constants
 
 A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
 - ``ln-fwd``, ``ln-bwd``: ``models.layernorm``'s fused residual addition and LayerNorm, forward
@@ -25,7 +26,9 @@ A variant is ``KIND`` or ``KIND:key=value;key=value`` with KIND one of
   gradient.
 Keys left out take the shipped constants. ``rows``, ``chunk``, ``sub`` and ``warps`` change the
 order of FP32 sums (the reduction tree follows the layout), so a kernel's constant is chosen by
-such a run and then fixed; ``stages`` does not change a value.
+such a run and then fixed; ``stages`` does not change a value. ``--pick`` names, for the LayerNorm
+passes and the loss, the launch faster than the shipped one by ``--margin`` in every run given, and
+``--write`` writes it into the module's constants: a new documented default of the option.
 
 Each round times every variant ``--reps`` calls back to back, then waits; a variant's figure is the
 median over rounds, with the bytes it must move (each input read and each output written once)
@@ -213,45 +216,59 @@ def run(variants, tokens, rounds, reps):
             "device": dev.device_kind, "records": recs, "failed": failed}
 
 
-# models.layernorm's constant for each launch key, forward and backward
-LN_CONSTANTS = {"ln-fwd": {"rows": "BLOCK_ROWS", "sub": "FWD_SUB_ROWS", "warps": "NUM_WARPS",
-                           "stages": "FWD_NUM_STAGES"},
-                "ln-bwd": {"rows": "BWD_BLOCK_ROWS", "sub": "BWD_SUB_ROWS",
-                           "warps": "BWD_NUM_WARPS", "stages": "BWD_NUM_STAGES",
-                           "reload": "BWD_RELOAD"}}
+# each kind whose launch lives in module constants: the module, and its constant for each key
+CONSTANTS = {"ln-fwd": ("layernorm", {"rows": "BLOCK_ROWS", "sub": "FWD_SUB_ROWS",
+                                      "warps": "NUM_WARPS", "stages": "FWD_NUM_STAGES"}),
+             "ln-bwd": ("layernorm", {"rows": "BWD_BLOCK_ROWS", "sub": "BWD_SUB_ROWS",
+                                      "warps": "BWD_NUM_WARPS", "stages": "BWD_NUM_STAGES",
+                                      "reload": "BWD_RELOAD"}),
+             # the loss's constants serve its statistics kernel too
+             "ce-fused": ("loss_kernels", {"rows": "BLOCK_ROWS", "chunk": "CHUNK",
+                                           "warps": "NUM_WARPS", "stages": "NUM_STAGES"})}
+
+
+def shipped(kind: str) -> dict:
+    """The launch ``kind`` runs with now, read from its module's constants."""
+    import importlib
+
+    module, names = CONSTANTS[kind]
+    mod = importlib.import_module(f"models.{module}")
+    return {key: getattr(mod, name) for key, name in names.items()}
 
 
 def pick(results, kind: str, margin: float = 0.03):
     """The variant of ``kind`` whose worst speed-up over the shipped launch (the bare ``kind``)
     across ``results`` (runs at several token counts) is largest, if that is at least ``1 +
     margin``: (spec, its whole launch, worst speed-up per run); else None. Variants missing from
-    a run do not count."""
-    from models import layernorm
-
-    shipped = layernorm.FWD if kind == "ln-fwd" else layernorm.BWD
+    a run, or setting keys that are not launch constants (``ex2``, ``fixup``), do not count."""
+    base, keys = shipped(kind), CONSTANTS[kind][1]
     ms = [{r["variant"]: r["ms"] for r in res["records"]} for res in results]
     if not all(kind in m for m in ms):
         raise ValueError(f"pick: every run needs the shipped variant {kind!r}")
     best = None
     for spec in ms[0]:
-        if parse(spec)[0] != kind or spec == kind or not all(spec in m for m in ms):
+        parsed_kind, launch = parse(spec)
+        if (parsed_kind != kind or spec == kind or not set(launch) <= set(keys)
+                or not all(spec in m for m in ms)):
             continue
         gains = [m[kind] / m[spec] for m in ms]
         if best is None or min(gains) > min(best[2]):
-            best = (spec, {**shipped, **parse(spec)[1]}, gains)
+            best = (spec, {**base, **launch}, gains)
     if best is None or min(best[2]) < 1 + margin:
         return None
     return best
 
 
-def write_ln_constants(kind: str, launch: dict, path=None) -> str:
-    """Rewrite ``models/layernorm.py``'s constants of ``kind`` to ``launch``; returns the text."""
+def write_constants(kind: str, launch: dict, path=None) -> str:
+    """Rewrite the constants of ``kind`` in its module (``models/<module>.py``) to ``launch``;
+    returns the text."""
     import re
     from pathlib import Path
 
-    path = Path(path or Path(__file__).resolve().parents[1] / "models" / "layernorm.py")
+    module, names = CONSTANTS[kind]
+    path = Path(path or Path(__file__).resolve().parents[1] / "models" / f"{module}.py")
     text = path.read_text()
-    for key, name in LN_CONSTANTS[kind].items():
+    for key, name in names.items():
         value = bool(launch[key]) if key == "reload" else int(launch[key])
         text, n = re.subn(rf"^{name} = (\d+|True|False)\b", f"{name} = {value}", text,
                           flags=re.M)
@@ -282,18 +299,20 @@ def main(argv=None):
     ap.add_argument("--out")
     ap.add_argument("--from-json")
     ap.add_argument("--pick", nargs="+", metavar="FILE.json",
-                    help="runs at several token counts: the LayerNorm launches faster than the "
-                         "shipped ones in every run by --margin (no GPU)")
+                    help="runs at several token counts: the LayerNorm and loss launches faster "
+                         "than the shipped ones in every run by --margin (no GPU)")
     ap.add_argument("--margin", type=float, default=0.03)
     ap.add_argument("--write", action="store_true",
-                    help="with --pick: write them into models/layernorm.py's constants")
+                    help="with --pick: write them into the modules' constants")
     args = ap.parse_args(argv)
     if args.from_json:
         print(table(json.load(open(args.from_json))))
         return
     if args.pick:
         results = [json.load(open(f)) for f in args.pick]
-        for kind in LN_CONSTANTS:
+        for kind in CONSTANTS:
+            if not all(any(r["variant"] == kind for r in res["records"]) for res in results):
+                continue  # not timed
             best = pick(results, kind, args.margin)
             if best is None:
                 print(f"{kind}: the shipped launch stays (nothing faster by {args.margin:.0%} "
@@ -303,7 +322,7 @@ def main(argv=None):
             print(f"{kind}: {spec} ({launch}), speed-up " + ", ".join(
                 f"x{g:.3f} at {r['tokens']} tokens" for g, r in zip(gains, results)))
             if args.write:
-                write_ln_constants(kind, launch)
+                write_constants(kind, launch)
         return
     res = run(args.variants.split(","), args.tokens, args.rounds, args.reps)
     if args.out:

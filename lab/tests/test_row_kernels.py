@@ -69,12 +69,30 @@ def test_pick_takes_the_best_worst_case_gain_over_every_run():
     assert rk.pick(runs, "ln-fwd") is None  # 1 % faster: within the margin
 
 
-def test_write_ln_constants_rewrites_each_constant_once(tmp_path):
+def test_write_constants_rewrites_each_constant_once(tmp_path):
     from pathlib import Path
     src = Path(rk.__file__).resolve().parents[1] / "models" / "layernorm.py"
     dst = tmp_path / "layernorm.py"
     dst.write_text(src.read_text())
-    text = rk.write_ln_constants("ln-bwd", dict(rows=64, sub=8, warps=4, stages=3, reload=1), dst)
+    text = rk.write_constants("ln-bwd", dict(rows=64, sub=8, warps=4, stages=3, reload=1), dst)
     for line in ("BWD_BLOCK_ROWS = 64", "BWD_SUB_ROWS = 8", "BWD_NUM_WARPS = 4",
                  "BWD_NUM_STAGES = 3", "BWD_RELOAD = True", "BLOCK_ROWS = 16"):
         assert any(l.startswith(line) for l in text.splitlines()), line
+
+
+def test_pick_and_write_the_loss_launch(tmp_path):
+    """The loss's launch constants are picked like the LayerNorm's; variants that set a
+    non-launch key (``ex2``, ``fixup``) are not candidates, however fast."""
+    from pathlib import Path
+    from models import loss_kernels as lk
+    runs = [_res(32, {"ce-fused": 3.39, "ce-fused:warps=16;chunk=8192": 3.20,
+                      "ce-fused:warps=8;chunk=4096": 3.29, "ce-fused:ex2=0;warps=16": 1.0})]
+    spec, launch, _ = rk.pick(runs, "ce-fused")
+    assert spec == "ce-fused:warps=16;chunk=8192"
+    assert launch == dict(rows=lk.BLOCK_ROWS, chunk=8192, warps=16, stages=lk.NUM_STAGES)
+    dst = tmp_path / "loss_kernels.py"
+    dst.write_text((Path(rk.__file__).resolve().parents[1] / "models" / "loss_kernels.py")
+                   .read_text())
+    text = rk.write_constants("ce-fused", launch, dst).splitlines()
+    for line in ("CHUNK = 8192", "NUM_WARPS = 16", f"BLOCK_ROWS = {lk.BLOCK_ROWS}"):
+        assert any(l.startswith(line) for l in text), line
