@@ -26,9 +26,9 @@ A candidate the plan refuses (a Mosaic GPU kernel that does not cover the call) 
 compile (e.g. shared memory) is skipped and logged. The winner is merged into the table under
 ``tuning.key(...)`` with where it was measured (``device``, ``arch``, ``jax_version``) and its ``ms``
 (fwd+bwd); the table then applies on GPUs of that architecture. Resident blocks (``bwd_block``,
-``dq_block``, ``fwd_block``), ``heavy_first`` and a dQ launch of its own are not searched: compare
-such candidates with ``python -m lab.ab`` first. A table written elsewhere (``--out my.json``) is
-used in place of the shipped entries of the same keys with ``JAX_FLASH_TUNING=my.json``.
+``dq_block``), ``heavy_first`` and a dQ launch of its own are not searched: compare such candidates
+with ``python -m lab.ab`` first. A table written elsewhere (``--out my.json``) is used in place of
+the shipped entries of the same keys with ``JAX_FLASH_TUNING=my.json``.
 """
 
 from __future__ import annotations

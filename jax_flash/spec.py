@@ -136,9 +136,6 @@ class Launch:
     split_diagonal: bool = False  # mask-free loops over the tiles below the causal diagonal
     bwd_block: int | None = None  # keys a dK/dV program keeps resident (a multiple of both tiles)
     dq_block: int | None = None  # queries a dQ program keeps resident
-    # queries a Triton forward program keeps (a multiple of block_q): each row's arithmetic is its
-    # own, so only how many rows share a K/V tile's loads
-    fwd_block: int | None = None
     prefetch_rows: bool = False  # dK/dV kernel: the next query block's L and δ a loop step ahead
     prefetch_scores: bool = False  # forward: the next key tile's scores before this tile's softmax
     # Triton δ (dP∘P) and dQ kernels: programs take the query blocks last first, so under a causal
@@ -181,7 +178,7 @@ class Launch:
             check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
         if self.mosaic_dq_keys not in (None, 64, 128):
             raise ValueError(f"mosaic_dq_keys must be 64 or 128, got {self.mosaic_dq_keys!r}")
-        for name in ("bwd_block", "dq_block", "fwd_block"):
+        for name in ("bwd_block", "dq_block"):
             val = getattr(self, name)
             if val is not None and (not isinstance(val, int) or val < 16 or val & (val - 1)):
                 raise ValueError(f"{name} must be a power of two >= 16, got {val!r}")

@@ -2,7 +2,7 @@
 the jnp executor (jax_flash/jnp_impl.py): the same Numerics give the same O and L up to the FP32
 summation order inside dots, which XLA:CPU picks per problem size — so each executor is within the
 policy's bound of the exact result and the two within twice it (helpers.o_bound). Every launch field
-the forward reads (split_diagonal, prefetch_scores, fwd_block) changes no value beyond that."""
+the forward reads (split_diagonal, prefetch_scores) changes no value beyond that."""
 
 import chex
 import jax
@@ -58,15 +58,11 @@ LAUNCH_FAST = [("fa2", True, (16, 16), {"split_diagonal": True}),
                ("fa2", True, (32, 16), {"split_diagonal": True, "prefetch_scores": True}),
                ("paper", False, (32, 16), {"prefetch_scores": True}),
                ("paper", True, (16, 16), {"split_diagonal": True}),
-               ("fa2", True, (16, 16), {"fwd_block": 32, "split_diagonal": True,
-                                        "prefetch_scores": True}),
-               ("fa2", False, (16, 32), {"fwd_block": 64}),
-               ("paper", True, (16, 16), {"fwd_block": 64})]
+               ("fa2", True, (16, 16), {"split_diagonal": True, "prefetch_scores": True})]
 LAUNCH_ALL = [(p, c, t, launch) for p in ("fa2", "paper", "fp32") for c in (True, False)
               for t in ((16, 16), (32, 16), (16, 32))
               for launch in ({"split_diagonal": True}, {"prefetch_scores": True},
-                             {"split_diagonal": True, "prefetch_scores": True},
-                             {"fwd_block": 64}, {"fwd_block": 32, "split_diagonal": True})]
+                             {"split_diagonal": True, "prefetch_scores": True})]
 
 
 # the default subset: each launch field alone and together, causal and not, "paper" (the rest of
@@ -78,34 +74,11 @@ LAUNCH_DEFAULT = [LAUNCH_FAST[i] for i in (1, 3, 4, 5, 6)]
                          default_and_slow(LAUNCH_DEFAULT, LAUNCH_FAST + LAUNCH_ALL))
 def test_launch_changes_no_value(rng, assert_close, policy, causal, tiles, launch):
     """``Launch.split_diagonal`` (mask-free loops over the tiles below the causal diagonal and inside
-    kv_len), ``Launch.prefetch_scores`` (the next key tile's scores a loop step ahead) and
-    ``Launch.fwd_block`` (a program keeps several query blocks, so some of its rows visit tiles
-    wholly masked for them): on tied rows under the stable shift, with a kv tail (T = 50), O and L
-    as the jnp executor's."""
+    kv_len) and ``Launch.prefetch_scores`` (the next key tile's scores a loop step ahead): on tied
+    rows under the stable shift, with a kv tail (T = 50), O and L as the jnp executor's."""
     q, k, v = tied_inputs(rng, (1, 50, 1, 32))
     compare_forward(assert_close, q, k, v, launch=launch, policy=policy, causal=causal, stable=True,
                     block_q=tiles[0], block_k=tiles[1])
-
-
-def test_fwd_block_sets_the_rows_a_program_keeps():
-    """``Launch.fwd_block``: the forward's grid has one program per ``fwd_block`` rows where it is a
-    multiple of block_q dividing the padded length; otherwise the launch keeps block_q's."""
-    import importlib
-
-    forward = importlib.import_module("jax_flash.pallas.forward")
-    x = jnp.zeros((1, 64, 1, 32), BF16)
-    cfg = numerics(x, x, x, block_q=16, block_k=16, impl="pallas")
-
-    def grid(launch):
-        jaxpr = jax.make_jaxpr(lambda *a: forward.forward(*a, cfg, launch, o_dtype=BF16))(x, x, x)
-        (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-        return eqn.params["grid_mapping"].grid[0]
-
-    assert grid(jf.Launch()) == 4
-    assert grid(jf.Launch(fwd_block=32)) == 2
-    assert grid(jf.Launch(fwd_block=64)) == 1
-    assert grid(jf.Launch(fwd_block=128)) == 4  # longer than the padded length: block_q's
-    assert grid(jf.Launch(fwd_block=16)) == 4
 
 
 def test_vmap_adds_a_grid_axis(rng):

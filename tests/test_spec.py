@@ -47,10 +47,9 @@ def test_numerics_is_frozen_hashable_and_refuses_scale_late_on_rounded_scores():
 def test_launch_fields_and_validation():
     assert jf.Launch().to_dict() == {}
     full = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic_dkdv", fwd=(4, 3), bwd=(8, 2),
-                     dq=(4, 2), split_diagonal=True, bwd_block=128, dq_block=64, fwd_block=128,
-                     prefetch_rows=True, prefetch_scores=True, mosaic_fwd_stages=3,
-                     mosaic_bwd_stages=4, mosaic_bwd_overlap=True, mosaic_bwd_regs=(240, 24),
-                     heavy_first=True)
+                     dq=(4, 2), split_diagonal=True, bwd_block=128, dq_block=64, prefetch_rows=True,
+                     prefetch_scores=True, mosaic_fwd_stages=3, mosaic_bwd_stages=4,
+                     mosaic_bwd_overlap=True, mosaic_bwd_regs=(240, 24), heavy_first=True)
     assert jf.Launch.from_dict(full.to_dict()) == full
     assert jf.Launch.from_dict(json.loads(json.dumps(full.to_dict()))) == full  # lists → tuples
     assert jf.Launch.from_dict({"fwd": {"num_warps": 4, "num_stages": 3}}).fwd == (4, 3)
@@ -58,7 +57,7 @@ def test_launch_fields_and_validation():
     for bad, msg in (({"fwd_kernel": "cuda"}, "fwd_kernel"), ({"bwd_kernel": "x"}, "bwd_kernel"),
                      ({"fwd": (4,)}, "num_warps"), ({"dq": (0, 2)}, "num_warps"),
                      ({"bwd_block": 48}, "power of two"), ({"dq_block": 8}, "power of two"),
-                     ({"fwd_block": 96}, "fwd_block"),
+                     ({"bwd_block": 96}, "bwd_block"),
                      ({"mosaic_fwd_stages": 0}, "mosaic_fwd_stages"),
                      ({"mosaic_bwd_stages": 9}, "mosaic_bwd_stages"),
                      ({"mosaic_bwd_stages": 2.0}, "mosaic_bwd_stages"),

@@ -477,7 +477,7 @@ def test_an_arms_tuning_table_reaches_only_its_process(tmp_path, monkeypatch):
     """``bench.tuning=FILE`` sets JAX_FLASH_TUNING for that arm's worker alone and records the
     table with its run; a missing file or a table with a numerics field stops the run first."""
     table = tmp_path / "t.json"
-    table.write_text(json.dumps({"fa2/d64/t1024/causal": {"fwd_block": 128}}))
+    table.write_text(json.dumps({"fa2/d64/t1024/causal": {"bwd_block": 128}}))
     arm = f"fa2[bench.tuning={table}]"
     assert ts.arm_overrides(arm) == ts.arm_overrides("fa2") and ts.arm_xla_flags(arm) == []
     assert ts.arm_bench_settings(arm) == ts.BENCH_SETTINGS and ts.arm_tuning(arm) == str(table)
@@ -494,7 +494,7 @@ def test_an_arms_tuning_table_reaches_only_its_process(tmp_path, monkeypatch):
     res = ts.main(["--arms", f"fa2,{arm}", "--batch", "4", "--out", str(tmp_path / "r.json")])
     assert seen == {"fa2": None, arm: str(table.resolve())}
     assert [r.get("tuning") for r in res["runs"]] == [
-        None, {"file": str(table), "entries": {"fa2/d64/t1024/causal": {"fwd_block": 128}}}]
+        None, {"file": str(table), "entries": {"fa2/d64/t1024/causal": {"bwd_block": 128}}}]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"fa2/d64/t1024/causal": {"block_k": 128}}))
     for spec in (f"fa2[bench.tuning={tmp_path / 'none.json'}]", f"fa2[bench.tuning={bad}]"):

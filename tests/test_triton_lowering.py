@@ -47,8 +47,8 @@ QKV = jax.ShapeDtypeStruct((2, 256, 3, 4, 64), jnp.bfloat16)
     ({"stable": True}, 3),
     ({"delta": "dpp"}, 4),  # and δ's kernel
     ({"policy": "paper"}, 3),
-    ({"stable": True, "launch": jf.Launch(fwd_block=128, fwd=(8, 3), split_diagonal=True,
-                                          prefetch_scores=True)}, 3),
+    ({"stable": True, "launch": jf.Launch(fwd=(8, 3), split_diagonal=True, prefetch_scores=True)},
+     3),
 ])
 def test_attention_kernels_lower_for_triton(compiled_mode, kw, calls):
     sliced = lambda x: jf.attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], impl="pallas", **kw)

@@ -40,11 +40,11 @@ def test_env_table_replaces_the_shipped_entries_of_its_keys(tmp_path, monkeypatc
     key = "fa2/d64/t1024/causal"
     assert key in shipped
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps({key: {"arch": "sm_80", "fwd_block": 128},
+    path.write_text(json.dumps({key: {"arch": "sm_80", "bwd_block": 128},
                                 "fa2/d64/t4096/full": {"arch": "sm_80", "split_diagonal": True}}))
     monkeypatch.setenv(tuning.ENV_VAR, str(path))
     table = tuning.load_all()
-    assert table[key] == ("sm_80", jf.Launch(fwd_block=128))
+    assert table[key] == ("sm_80", jf.Launch(bwd_block=128))
     assert table["fa2/d64/t4096/full"] == ("sm_80", jf.Launch(split_diagonal=True))
     assert {k: v for k, v in table.items() if k not in (key, "fa2/d64/t4096/full")} == \
         {k: v for k, v in shipped.items() if k != key}

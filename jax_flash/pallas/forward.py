@@ -4,13 +4,10 @@ Grid (query block, batch, head); each program keeps (m, ℓ, acc) for one query 
 tiles in order, from the first to the last one with a visible key (``tile.kv_tile_bounds``: the
 causal diagonal, a window and per-batch lengths bound the loop; fully masked tiles are skipped). Triton backend on
 GPU, interpret mode on CPU. Inputs arrive padded to whole blocks in the layout ``[B, T, H, D]``.
-``Launch.fwd_block`` has a program keep several query blocks over the same key tiles: rows then
-visit tiles wholly masked for them, which leave (m, ℓ, acc) as they were.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -133,9 +130,6 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None, pa
                                              stages=launch.mosaic_fwd_stages)
     bsz, tq, h, d = unpacked_shape(q.shape) if packed else q.shape
     tk = k.shape[1]
-    big = launch.fwd_block
-    if big and big > cfg.block_q and big % cfg.block_q == 0 and tq % big == 0:
-        cfg = dataclasses.replace(cfg, block_q=big)  # rows a program keeps: no value changes
     bq, bk, g = cfg.block_q, cfg.block_k, cfg.groups
     nq, nk = tq // bq, tk // bk
     kernel = functools.partial(_forward_kernel, cfg=cfg, launch=launch, nk=nk)
