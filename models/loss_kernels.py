@@ -17,7 +17,7 @@ read of the logits. A loss without a gradient runs the statistics kernel alone.
 
 A program takes ``BLOCK_ROWS`` rows and walks the vocabulary in chunks of ``CHUNK`` columns
 (Triton's tensors are powers of two), then the remainder in power-of-two pieces: GPT-2's 50,304
-is 49 chunks of 1,024 and one of 128.
+is 6 chunks of 8,192, one of 1,024 and one of 128.
 
 Each exponential is exp(d) = 2^(d·log₂e) by the GPU's ex2.approx (``EX2_APPROX``; interpreted,
 ``jax_flash.tile.exp2``): one instruction and a product where libdevice's accurate expf takes
@@ -41,11 +41,12 @@ from jax_flash.pallas.common import exp2_ftz, interpret_mode
 from jax_flash.policy import LOG2E
 from models.layernorm import row_call
 
-# one row a program in one warp, a chunk 32 FP32 registers a thread: the fastest of the launches
-# lab.row_kernels compares (GPT-2's logits on an H200); the warps set the reductions' order
+# one row a program on 16 warps, a chunk 16 FP32 registers a thread: the training kernel ran ×1.06
+# the 1-warp launch's speed on an H100 (lab.row_kernels; likely fewer rows in flight, so more of a
+# row still in L2 for the gradient's second read); warps and chunk set the sums' order
 BLOCK_ROWS = 1
-CHUNK = 1024  # columns per step of the vocabulary loop
-NUM_WARPS = 1
+CHUNK = 8192  # columns per step of the vocabulary loop
+NUM_WARPS = 16
 NUM_STAGES = 2
 EX2_APPROX = True  # exp(d) as 2^(d·log₂e) by ex2.approx, the option's numerics (False: jnp.exp)
 TARGET_FIXUP = False  # the gradient's target entries written after the walk (no value changes)

@@ -86,7 +86,8 @@ def test_pieces_cover_the_vocabulary():
         widths = [c] * n + list(rest)
         assert sum(widths) == v and all(w & (w - 1) == 0 for w in widths)
         assert widths == sorted(widths, reverse=True) and c <= lk.CHUNK
-    assert lk.pieces(50304) == (1024, 49, (128,))
+    assert lk.pieces(50304, 1024) == (1024, 49, (128,))
+    assert lk.pieces(50304, 8192) == (8192, 6, (1024, 128))
 
 
 def test_model_option_selects_the_kernels():
