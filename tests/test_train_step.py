@@ -350,6 +350,25 @@ def test_budget_skips_what_would_not_fit(tmp_path, monkeypatch):
     assert res["profile"]["arm"] == "fa2-stable" and res["profile"]["batch"] == 32
 
 
+def test_budget_guesses_a_first_run_from_the_other_frameworks(tmp_path, monkeypatch):
+    """Before a PyTorch run has been timed, twice the longest JAX run is its guess where that is
+    less than 120 s: a 24 s JAX run leaves room for nanoGPT's in a budget of 100 s."""
+    (tmp_path / "nanoGPT").mkdir()
+    (tmp_path / "nanoGPT" / "model.py").write_text("")
+    fake = FakeRuns({("fa2-stable", 16): 32.0, ("nanogpt", 16): 36.0}, {"jax": 24.0, "torch": 30.0})
+    monkeypatch.setattr(ts, "_launch", fake.launch)
+    monkeypatch.setattr(ts, "_clock", fake.clock)
+    res = ts.main(["--batch", "16", "--arms", "fa2-stable", "--nanogpt", str(tmp_path / "nanoGPT"),
+                   "--budget", "100", "--out", str(tmp_path / "r.json")])
+    assert [r["status"] for r in res["runs"]] == ["ok", "ok"]  # 24 + 2·24 ≤ 100
+    assert fake.calls == [("fa2-stable", 16, 100.0), ("nanogpt", 16, 76.0)]
+    fake.seconds["jax"] = 40.0
+    res = ts.main(["--batch", "16", "--arms", "fa2-stable", "--nanogpt", str(tmp_path / "nanoGPT"),
+                   "--budget", "110", "--out", str(tmp_path / "r2.json")])
+    assert [r["status"] for r in res["runs"]] == ["ok", "skipped"]  # 40 + 2·40 > 110
+    assert "about 80 s" in res["runs"][1]["error"]
+
+
 def test_profile_arms_side_by_side(tmp_path, monkeypatch):
     """--profile-arms: each named arm profiled at the first micro-batch into a folder of its own,
     the primary's kept as the file's profile, and compare.md sets the families side by side with
