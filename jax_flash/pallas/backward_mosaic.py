@@ -394,8 +394,10 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     dk, dv = plgpu.kernel(
         entry,
         out_type=(out, out),
-        grid=(t // KEYS, k.shape[2], bsz),  # a program per key block and key/value head
-        grid_names=("kblk", "head", "batch"),
+        # a program per key block and key/value head; the last axis is launched fastest, so a
+        # head's key blocks run side by side and share its Q and dO in L2
+        grid=(bsz, k.shape[2], t // KEYS),
+        grid_names=("batch", "head", "kblk"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name=f"jax_flash_dkdv_mosaic_{cfg.policy.name}",  # profilers filter on "jax_flash"
@@ -555,8 +557,8 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, out_dtype),
-        grid=(t // KEYS, h, bsz),
-        grid_names=("qblk", "head", "batch"),
+        grid=(bsz, h, t // KEYS),  # query blocks fastest: a head's K and V shared in L2
+        grid_names=("batch", "head", "qblk"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name=f"jax_flash_dq_mosaic_{cfg.policy.name}",

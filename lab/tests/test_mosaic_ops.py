@@ -33,15 +33,15 @@ def test_tie_count_grows_with_the_key_tile():
         assert extra["k128"][op] - extra["k64"][op] == BODIES * PER_ENTRY_OPS_PER_64_KEYS, op
 
 
-def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv"):
-    """The causal dK/dV (or dQ) kernel's module at [1, t, 2, d], without its per-process dump
-    name."""
+def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv", batch=1, heads=2):
+    """The causal dK/dV (or dQ) kernel's module at [batch, t, heads, d], without its per-process
+    dump name."""
     from jax_flash.pallas import backward_mosaic as bm
     from lab import mosaic_ops
 
-    cfg = mosaic_ops.numerics((1, t, 2, d), True)
-    q = jax.ShapeDtypeStruct((1, t, 2, d), jnp.bfloat16)
-    rows = jax.ShapeDtypeStruct((1, 2, t), jnp.float32)
+    cfg = mosaic_ops.numerics((batch, t, heads, d), True)
+    q = jax.ShapeDtypeStruct((batch, t, heads, d), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((batch, heads, t), jnp.float32)
     kw = {"regs": regs} | ({"overlap": overlap} if kernel == "dkdv" else {})
     fn = bm.dkdv_mosaic if kernel == "dkdv" else bm.dq_mosaic
     f = jax.jit(lambda *a: fn(*a, cfg, out_dtype=jnp.bfloat16, **kw))
@@ -78,3 +78,29 @@ def test_bwd_regs_change_only_the_register_requests(kernel):
     assert SETMAXNREG.findall(ours) == [("inc", "240"), ("dec", "24")]
     strip = lambda m: SETMAXNREG.sub(r"setmaxnreg.\1.sync.aligned.u32 N;", m)
     assert strip(plain) == strip(ours)
+
+
+LAUNCH = re.compile(r"gpu\.launch .*?blocks\([^)]*\) in \(%\w+ = %c(\d+)(?:_\d+)?, "
+                    r"%\w+ = %c(\d+)(?:_\d+)?, %\w+ = %c(\d+)(?:_\d+)?\)")
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_blocks_are_launched_fastest(kernel):
+    """Each Mosaic GPU kernel launches its row or key blocks along x, the axis the GPU schedules
+    fastest, then heads, then the batch: a head's programs run side by side and share its K and V
+    (Q and dO) in L2. At [3, 512, 5, 128]: x = 4 blocks of 128, y = 5 heads, z = 3."""
+    from jax_flash.pallas import forward_mosaic
+    from lab import mosaic_ops
+
+    shape = (3, 512, 5, 128)
+    if kernel == "fwd":
+        cfg = mosaic_ops.numerics(shape, True)
+        sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        f = jax.jit(lambda q, k, v: forward_mosaic.forward_mosaic(q, k, v, cfg,
+                                                                  o_dtype=jnp.bfloat16))
+        with mosaic_ops.captured_modules() as seen:
+            jax.export.export(f, platforms=["cuda"])(sds, sds, sds)
+        module = seen[-1]
+    else:
+        module = _bwd_module(128, t=shape[1], kernel=kernel, batch=shape[0], heads=shape[2])
+    assert [tuple(map(int, m)) for m in LAUNCH.findall(module)] == [(4, 5, 3)]
