@@ -6,6 +6,8 @@
 # PASS: fwd (one jax_flash kernel per call) or fwd+bwd (three: forward, dK/dV, dQ);
 # ENTRY: a candidate of lab/entries.json (e.g. k128: its launch, and its tiles as call arguments)
 # instead of the shipped table's launch (variants as in lab.ab: new@ENTRY).
+# POLICY cudnn profiles cuDNN's kernels through jax.nn.dot_product_attention instead (its forward
+# kernel; fwd+bwd: forward and backward), e.g. 4x8192x16x128:cudnn:0:fwd+bwd.
 # CASE = row:SPEC profiles one of the model's row kernels instead: SPEC a lab.row_kernels variant
 # of ours (e.g. row:ln-bwd:reload=1, row:gelu-bwd), at $TOKENS tokens (32768).
 # Writes $OUT/ncu/<case>.csv (details page: speed of light, pipes, warp stalls, instruction mix)
@@ -31,11 +33,13 @@ from bench.attention import _jax_pass
 from lab import ab
 shape, policy, stable, pss, entry = sys.argv[1:6]
 spec = "new" + (f"@{entry}" if entry else "") + (":stable" if stable == "1" else "")
+spec = "cudnn" if policy == "cudnn" else spec
 shape = tuple(int(x) for x in shape.split("x"))
 q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.bfloat16) for i in range(3))
 g = _jax_pass(ab._attention_fn(spec, {"new": jf}, ab.candidate_entries(), True, policy), pss)
-plan = jf.plan(q, k, v, **ab.call_kwargs(spec, ab.candidate_entries(), True, policy))
-print(spec, json.dumps(plan.to_dict()))  # into the case's log: what ran
+if spec != "cudnn":
+    plan = jf.plan(q, k, v, **ab.call_kwargs(spec, ab.candidate_entries(), True, policy))
+    print(spec, json.dumps(plan.to_dict()))  # into the case's log: what ran
 for _ in range(3):
     jax.block_until_ready(g(q, k, v))
 PY
@@ -61,8 +65,12 @@ for case in "${CASES[@]}"; do
     IFS=: read -r shape policy stable pss entry <<< "$case"
     case "$pss" in fwd|fwd+bwd) ;; *) echo "$case: PASS must be fwd or fwd+bwd"; continue ;; esac
     n=$([ "$pss" = fwd ] && echo 1 || echo 3)  # jax_flash kernels a call: fwd; or fwd, dK/dV, dQ
+    kernels=jax_flash
+    if [ "$policy" = cudnn ]; then  # cuDNN's generated kernels: fprop; or fprop, bprop
+      kernels=cudnn_generated; n=$([ "$pss" = fwd ] && echo 1 || echo 2)
+    fi
     # shellcheck disable=SC2086
-    timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --target-processes all -k regex:jax_flash \
+    timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --target-processes all -k regex:$kernels \
       --launch-skip "$n" --launch-count "$n" $SECTIONS -o "$rep" \
       python3 "$DRIVER" "$shape" "$policy" "$stable" "$pss" "${entry:-}" > "$OUT/ncu/$name.log" 2>&1
   fi
