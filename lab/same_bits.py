@@ -44,7 +44,8 @@ def compare(old_root, shapes, policy="fa2", masks=(True, False), stables=(False,
         q, k, v, do = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4))
         got = jax.device_get(_case(jax_flash, q, k, v, do, causal, stable, policy))
         want = jax.device_get(_case(old, q, k, v, do, causal, stable, policy))
-        differing = {name: int(np.sum(np.asarray(a).view(np.uint16) != np.asarray(b).view(np.uint16)))
+        differing = {name: int(np.sum(np.asarray(a).view(np.uint16)
+                                      != np.asarray(b).view(np.uint16)))
                      for name, a, b in zip(("o", "dq", "dk", "dv"), got, want)}
         rows.append(dict(shape=list(shape), causal=causal, stable=stable, policy=policy,
                          differing=differing, elements=int(np.prod(shape))))
