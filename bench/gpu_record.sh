@@ -11,7 +11,7 @@
 #      STEP_ARMS, STEP_BATCH, STEP_PRIMARY (fa2-stable), STEP_ROUNDS (1) for the step
 #      (bench.train_step --arms, --batch, --primary, --rounds); STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as
 #      profile-compare.md and profile.tgz), STEP_PROFILE_STEPS (--profile-steps, 3);
-#      K selects GPU tests (pytest -k).
+#      K selects GPU tests (pytest -k); TEST_WORKERS (1) pytest processes for them.
 # `step` alone writes 4 files: env.txt, train_step.{json,log}, profile.tgz (profile/: profile.md,
 # trace.json.gz, hlo.txt.gz); it needs nanoGPT's model.py carried in third_party/nanoGPT (`make nanogpt`).
 set -u
@@ -28,8 +28,14 @@ print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib
 PY
 rc=0
 if [[ " $parts " == *" tests "* ]]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/test_gpu.py -q -s -p no:cacheprovider -rA \
-    ${K:+-k "$K"} \
+  # TEST_WORKERS > 1: that many pytest processes share the GPU (their compilations run on the CPUs
+  # side by side), each allocating as it goes; the log names every test as it passes (-v) and
+  # gives the cases' printed figures at its end (-rA; a run cut by the timeout has none)
+  workers=(-q -s)
+  [ "${TEST_WORKERS:-1}" -gt 1 ] && workers=(-v -n "$TEST_WORKERS")
+  XLA_PYTHON_CLIENT_PREALLOCATE=$([ "${TEST_WORKERS:-1}" -gt 1 ] && echo false || echo true) \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/test_gpu.py "${workers[@]}" \
+    -p no:cacheprovider -rA ${K:+-k "$K"} \
     > "$OUT/gpu-tests.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "gpu tests: exit $r"; tail -3 "$OUT/gpu-tests.log"
 fi
