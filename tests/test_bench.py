@@ -211,7 +211,8 @@ def test_tuning_table_refuses_numerics():
 
 
 def test_tuning_table_refuses_the_fused_backward():
-    """The fused backward adds dQ's FP32 parts in another order: a call may opt in, a table may not."""
+    """The fused backward adds dQ's FP32 parts in another order: a call may opt in, a table may
+    not."""
     assert jf.Launch(bwd_kernel="mosaic_fused").bwd_kernel == "mosaic_fused"
     with pytest.raises(ValueError, match="opt-in"):
         tuning.entry_launch({"arch": "sm_90", "ms": 1.0, "bwd_kernel": "mosaic_fused"})
