@@ -218,7 +218,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
 
                 def mmas(refs):  # dK's product runs while the other warpgroup writes its dSᵀ
                     dk_ref, dq_acc = refs
-                    plgpu.wgmma(dk_ref, ds_op, q_tile)
+                    # dSᵀ from shared memory, where dQ reads it too: its registers free early
+                    plgpu.wgmma(dk_ref, ds_smem.at[wg], q_tile)
                     dq_mmas(dq_acc)
 
                 if dk is None:
