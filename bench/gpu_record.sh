@@ -31,10 +31,9 @@ if [[ " $parts " == *" tests "* ]]; then
   # TEST_WORKERS > 1: that many pytest processes share the GPU (their compilations run on the CPUs
   # side by side), each allocating as it goes; the log names every test as it passes (-v) and
   # gives the cases' printed figures at its end (-rA; a run cut by the timeout has none)
-  workers=(-q -s)
-  [ "${TEST_WORKERS:-1}" -gt 1 ] && workers=(-v -n "$TEST_WORKERS")
-  XLA_PYTHON_CLIENT_PREALLOCATE=$([ "${TEST_WORKERS:-1}" -gt 1 ] && echo false || echo true) \
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/test_gpu.py "${workers[@]}" \
+  workers=(-q -s); prealloc=true
+  if [ "${TEST_WORKERS:-1}" -gt 1 ]; then workers=(-v -n "$TEST_WORKERS"); prealloc=false; fi
+  XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/test_gpu.py "${workers[@]}" \
     -p no:cacheprovider -rA ${K:+-k "$K"} \
     > "$OUT/gpu-tests.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "gpu tests: exit $r"; tail -3 "$OUT/gpu-tests.log"
