@@ -36,10 +36,8 @@ $(STAMP11):
 
 # The Mosaic GPU kernels under jax 0.11.2: the whole kernel interpreted, races checked; and the
 # lab's op counter of the Mosaic forward (it lowers for CUDA on a CPU from jax 0.11 on)
-# (four CPU devices: the interpreter runs a warpgroup per thread of their pool, and the fused
-# backward's warpgroups, waiting on each other, must all run at once)
 test-mosaic: $(STAMP11)
-	JAX_NUM_CPU_DEVICES=4 $(VENV11)/bin/python -m pytest -q -n 2 --dist worksteal \
+	$(VENV11)/bin/python -m pytest -q -n 2 --dist worksteal \
 	  tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
 	  lab/tests/test_mosaic_ops.py
 

@@ -428,21 +428,16 @@ def _covered(launch: Launch, num: Numerics, q, k, explicit: bool, kernel_d: int,
     if launch.fwd_kernel == "mosaic":
         reasons["fwd_kernel"] = mosaic_common.unavailable() or padded_d or forward_mosaic.check(
             num, padded, q.dtype, num.policy.o_residual_dtype)
-    fallback = {"fwd_kernel": "triton", "bwd_kernel": "triton"}
     if launch.bwd_kernel != "triton":
         reasons["bwd_kernel"] = mosaic_common.unavailable() or padded_d or backward_mosaic.check(
             num, padded, q.dtype, q.dtype, k_padded)
-        if launch.bwd_kernel == "mosaic_fused" and reasons["bwd_kernel"] is None:
-            # what the fused dQ does not cover, the two Mosaic kernels do
-            reasons["bwd_kernel"] = backward_mosaic.check_fused(num, padded)
-            fallback["bwd_kernel"] = "mosaic"
     reasons = {f: r for f, r in reasons.items() if r is not None}
     if reasons and explicit:
         raise ValueError("the Mosaic GPU kernels cannot run this call: " + "; ".join(
             f"{f}={getattr(launch, f)!r}: {r}" for f, r in reasons.items()))
-    notes = [f"{f}: {fallback[f]} for {getattr(launch, f)} ({r})" for f, r in reasons.items()]
+    notes = [f"{f}: triton for {getattr(launch, f)} ({r})" for f, r in reasons.items()]
     if reasons:
-        launch = dataclasses.replace(launch, **{f: fallback[f] for f in reasons})
+        launch = dataclasses.replace(launch, **{f: "triton" for f in reasons})
     return launch, notes
 
 

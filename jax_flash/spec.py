@@ -99,8 +99,7 @@ class Numerics:
 
 
 FWD_KERNELS = ("triton", "mosaic")
-# "mosaic_dkdv": Mosaic dK/dV, Triton dQ; "mosaic_fused": dQ summed inside the Mosaic dK/dV kernel
-BWD_KERNELS = ("triton", "mosaic", "mosaic_dkdv", "mosaic_fused")
+BWD_KERNELS = ("triton", "mosaic", "mosaic_dkdv")  # "mosaic_dkdv": Mosaic dK/dV, Triton dQ
 
 
 # A Mosaic kernel of two compute warpgroups and one producer (384 threads) starts with the
@@ -130,9 +129,7 @@ class Launch:
     """How the Pallas kernels run on a GPU. None of it changes a rounded value (module docstring)."""
 
     fwd_kernel: str = "triton"  # "mosaic": the Hopper forward (pallas/forward_mosaic.py)
-    # "mosaic" | "mosaic_dkdv": the Hopper backward; "mosaic_fused" (an opt-in that no tuning
-    # table may choose): dQ inside the dK/dV kernel, its FP32 parts added in another order
-    bwd_kernel: str = "triton"
+    bwd_kernel: str = "triton"  # "mosaic" | "mosaic_dkdv": the Hopper backward
     fwd: tuple[int, int] | None = None  # Triton (num_warps, num_stages); None: defaults
     bwd: tuple[int, int] | None = None
     dq: tuple[int, int] | None = None  # the dQ kernel's own, where it differs from ``bwd``
@@ -177,9 +174,6 @@ class Launch:
         for name in ("mosaic_bwd_overlap", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.mosaic_bwd_overlap and self.bwd_kernel == "mosaic_fused":
-            raise ValueError("mosaic_bwd_overlap is a launch of the two-kernel Mosaic backward, "
-                             "not of bwd_kernel='mosaic_fused'")
         if self.mosaic_bwd_regs is not None:
             check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
         if self.mosaic_dq_keys not in (None, 64, 128):

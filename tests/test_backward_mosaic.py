@@ -181,74 +181,6 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, overlap):
         chex.assert_trees_all_equal(dq, base[0])
 
 
-def test_fused_coverage_and_its_fallback(monkeypatch):
-    """``check_fused`` names what the fused dQ does not cover (a window, GQA, head_dim 64, a
-    padded length, more than 64 key blocks without the causal mask); there a tuning entry's
-    "mosaic_fused" becomes the two Mosaic kernels (availability faked), and asked for explicitly it
-    raises. The fused kernel itself raises on such a call before any lowering, and with
-    ``mosaic_bwd_overlap`` at construction."""
-    from jax_flash.pallas import tuning
-
-    shape = (1, 1024, 2, 128)
-    assert bm.check_fused(make_cfg(1024, 128), shape) is None
-    assert bm.check_fused(make_cfg(1024, 128, causal=False), shape) is None
-    assert bm.check_fused(make_cfg(16384, 128), (1, 16384, 2, 128)) is None
-    assert "without the causal mask" in bm.check_fused(make_cfg(16384, 128, causal=False),
-                                                       (1, 16384, 2, 128))
-    assert "window" in bm.check_fused(dataclasses.replace(make_cfg(1024, 128), window=(64, 0)),
-                                      shape)
-    assert "query heads" in bm.check_fused(dataclasses.replace(make_cfg(1024, 128), groups=2),
-                                           shape)
-    assert "head_dim 64" in bm.check_fused(make_cfg(1024, 64), (1, 1024, 2, 64))
-    assert "padded" in bm.check_fused(dataclasses.replace(make_cfg(1024, 128), q_len=1000,
-                                                          kv_len=1000), shape)
-    x = jnp.zeros((1, 256, 1, 64), BF16)
-    rows = jnp.zeros((1, 1, 256), jnp.float32)
-    with pytest.raises(ValueError, match="fused Mosaic GPU backward does not cover.*head_dim 64"):
-        bm.dkdv_dq_mosaic(x, x, x, x, rows, rows, make_cfg(256, 64), out_dtype=BF16)
-    with pytest.raises(ValueError, match="mosaic_bwd_overlap"):
-        jf.Launch(bwd_kernel="mosaic_fused", mosaic_bwd_overlap=True)
-
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(mosaic_common, "unavailable", lambda: None)
-    monkeypatch.setattr(tuning, "lookup_entry",
-                        lambda *a: ("fa2/d128/t1024/causal", jf.Launch(bwd_kernel="mosaic_fused")))
-    x = jax.ShapeDtypeStruct(shape, BF16)
-    kv = jax.ShapeDtypeStruct((1, 1024, 1, 128), BF16)  # two query heads a key/value head
-    assert jf.plan(x, x, x, causal=False).launch.bwd_kernel == "mosaic_fused"
-    p = jf.plan(x, kv, kv, causal=True)
-    assert p.launch.bwd_kernel == "mosaic" and any("mosaic for mosaic_fused" in n for n in p.notes)
-    assert jf.plan(x, x, x, causal=True, delta="dpp").launch.bwd_kernel == "triton"
-    with pytest.raises(ValueError, match="query heads"):
-        jf.plan(x, kv, kv, causal=True, launch={"bwd_kernel": "mosaic_fused"})
-
-
-def test_hook_in_backward_runs_the_fused_kernel(monkeypatch):
-    """For ``Launch.bwd_kernel="mosaic_fused"`` backward.py returns the fused kernel's (dQ, dK, dV),
-    given what the two kernels get (ring depth and register split too), and runs no other."""
-    shape = (1, 128, 1, 128)
-    cfg = make_cfg(128, 128)
-    q, k, v, do = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), BF16)
-                   for i in range(4))
-    lse, dlt = jnp.zeros((1, 1, 128), jnp.float32), jnp.ones((1, 1, 128), jnp.float32)
-    seen = []
-
-    def fused(*args, out_dtype, stages=None, regs=None):
-        seen.append((args, out_dtype, stages, regs))
-        return tuple(jnp.full(shape, x, out_dtype) for x in (3.0, 1.0, 2.0))
-
-    monkeypatch.setattr(bm, "dkdv_dq_mosaic", fused)
-    for other in ("dkdv_mosaic", "dq_mosaic"):
-        monkeypatch.setattr(bm, other, None)  # calling either fails
-    launch = jf.Launch(bwd_kernel="mosaic_fused", mosaic_bwd_stages=2, mosaic_bwd_regs=(240, 24))
-    grads = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
-    [(args, out_dtype, stages, regs)] = seen
-    assert all(a is b for a, b in zip(args, (q, k, v, do, lse, dlt, cfg)))
-    assert out_dtype == BF16 and stages == 2 and regs == (240, 24)
-    for g, fill in zip(grads, (3, 1, 2)):
-        assert np.all(np.asarray(g, np.float32) == fill)
-
-
 # ------------------------------------------------------------------------- interpreted kernel
 needs_interpreter = pytest.mark.skipif(
     interpret_params() is None or jax.default_backend() == "gpu",
@@ -272,22 +204,20 @@ def _inputs(rng, shape, cfg, tied=False):
     return q, k, v, do, o, lse, dlt
 
 
-def _race_checked(kernel, q, k, v, do, lse, dlt, cfg, stages=None, **kw):
-    """``kernel`` (a Mosaic backward entry point) interpreted, compiled once per test, with the
-    race detector's verdict asserted; ``kw``: the entry point's launch arguments."""
+def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None, dq_keys=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-    out = jitted(kernel, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                 interpret=interpret_params(), stages=stages, **kw)
-    jax.block_until_ready(out)  # the interpreter's state is global: finish before reading it
+    # each kernel compiled once per test (the race detector runs inside it too)
+    dk, dv = jitted(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
+                    interpret=interpret_params(), stages=stages)
+    jax.block_until_ready((dk, dv))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
-    return out
-
-
-def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None, dq_keys=None):
-    dk, dv = _race_checked(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg, stages)
-    dq = _race_checked(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg, stages, keys=dq_keys)
+    interp.gpu_callbacks.reset_gpu_interpret_mode_state()
+    dq = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
+                interpret=interpret_params(), stages=stages, keys=dq_keys)
+    jax.block_until_ready((dq))  # the interpreter's state is global: finish before reading it
+    assert not interp.get_races().races_found
     return dq, dk, dv
 
 
@@ -315,66 +245,6 @@ def test_interpreted_kernels_match_triton_and_jnp(rng, assert_close, shape, caus
         assert_close(ours[i], triton[i], 2 * bounds[i], f"{name} vs Triton")
         assert_close(ours[i], jnp_g[i], 2 * bounds[i], f"{name} vs jnp")
         assert_close(ours[i], exact[i], bounds[i], f"{name} vs float64")
-
-
-# The interpreter runs each warpgroup on a thread of XLA's CPU client; the fused kernel's compute
-# warpgroups wait on each other every query block, which needs all three running at once: with the
-# client's single CPU device they can starve (``make test-mosaic`` sets JAX_NUM_CPU_DEVICES=4).
-needs_threads = pytest.mark.skipif(jax.device_count() < 3, reason=(
-    "the fused kernel's interpreted warpgroups need ≥ 3 CPU devices' threads: "
-    "JAX_NUM_CPU_DEVICES=4"))
-
-
-def _interpreted_fused(q, k, v, do, lse, dlt, cfg, stages=None):
-    return _race_checked(bm.dkdv_dq_mosaic, q, k, v, do, lse, dlt, cfg, stages)
-
-
-@needs_interpreter
-@needs_threads
-@pytest.mark.parametrize("shape,causal,stable", [
-    ((1, 384, 2, 128), True, False),
-    pytest.param((1, 384, 1, 128), False, False, marks=pytest.mark.slow),
-    pytest.param((2, 256, 1, 128), True, True, marks=pytest.mark.slow)],
-    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
-def test_interpreted_fused_kernel(rng, assert_close, shape, causal, stable):
-    """The fused kernel (dQ summed in the dK/dV kernel), interpreted with race detection, against
-    the two Mosaic kernels interpreted. Causal: dK and dV bit for bit (the same products in the
-    same order); without the mask each program walks the query blocks from its own start, so its
-    dK and dV sum them in another order: within twice the policy's bound of theirs. dQ — three
-    programs' 128-key sums added in FP32 in the order the programs reach each block, where the dQ
-    kernel accumulates 64-key tiles in increasing order — within twice the bound of theirs and of
-    the jnp executor's, and within the bound of float64's. A ring of one slot gives the same bits
-    as the default three."""
-    cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=stable)
-    q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg, tied=stable)
-    fused = _interpreted_fused(q, k, v, do, lse, dlt, cfg)
-    two = _interpreted(q, k, v, do, lse, dlt, cfg)
-    jnp_g = jitted(jnp_impl.backward, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=BF16)
-    exact = jf.reference_numpy(q, k, v, do, causal=causal)[1:]
-    bounds = grad_bounds(q, k, v, do, cfg)
-    if causal:
-        chex.assert_trees_all_equal(fused[1:], two[1:])
-    for i, name in enumerate(("dQ", "dK", "dV")):
-        chex.assert_type(fused[i], BF16)
-        assert_close(fused[i], two[i], 2 * bounds[i], f"{name} vs the two kernels")
-        assert_close(fused[i], jnp_g[i], 2 * bounds[i], f"{name} vs jnp")
-        assert_close(fused[i], exact[i], bounds[i], f"{name} vs float64")
-    if not stable:
-        one_slot = _interpreted_fused(q, k, v, do, lse, dlt, cfg, stages=1)
-        chex.assert_trees_all_equal(one_slot, fused)
-
-
-def test_fused_dq_adds_in_rank_order():
-    """The interpreted fused kernel's dQ: its rank slots added one onto the total in rank order,
-    only where that many programs reach the row's block (under the causal mask, one more per
-    128-key block); the other slots, never written, are not read."""
-    parts = jnp.stack([jnp.full((1, 384, 1, 2), x, jnp.float32) for x in (1.0, 2.0 ** -24, 3.0)])
-    parts = parts.at[1:, :, :128].set(jnp.nan).at[2:, :, :256].set(jnp.nan)  # unwritten
-    causal = bm._add_in_rank_order(parts, True)
-    chex.assert_trees_all_equal(np.asarray(causal[0, :, 0, 0]), np.asarray(
-        [1.0] * 128 + [1.0] * 128 + [4.0] * 128, np.float32))  # 1 + 2⁻²⁴ rounds to 1
-    full = bm._add_in_rank_order(jnp.nan_to_num(parts, nan=0.5), False)
-    assert float(full[0, 0, 0, 0]) == (1.0 + 0.5) + 0.5 and float(full[0, 300, 0, 0]) == 4.0
 
 
 @needs_interpreter

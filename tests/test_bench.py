@@ -210,15 +210,6 @@ def test_tuning_table_refuses_numerics():
             tuning.entry_launch({"arch": "sm_90", "ms": 1.0, field: 64})
 
 
-def test_tuning_table_refuses_the_fused_backward():
-    """The fused backward adds dQ's FP32 parts in another order: a call may opt in, a table may
-    not."""
-    assert jf.Launch(bwd_kernel="mosaic_fused").bwd_kernel == "mosaic_fused"
-    with pytest.raises(ValueError, match="opt-in"):
-        tuning.entry_launch({"arch": "sm_90", "ms": 1.0, "bwd_kernel": "mosaic_fused"})
-    assert tuning.entry_launch({"arch": "sm_90", "bwd_kernel": "mosaic"}).bwd_kernel == "mosaic"
-
-
 def test_shipped_tuning_table_holds_launches_with_provenance():
     raw = json.loads(tuning.TABLE_PATH.read_text())
     table = tuning.load()

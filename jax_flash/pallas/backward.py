@@ -231,7 +231,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
         dq_params = compiler_params(launch.dq or launch.bwd, d, bq, cfg.block_k,
                                     backward=True, itemsize=itemsize)
     # the plan checked that Mosaic kernels cover the call; a packed call runs the Triton ones
-    mosaic = launch.bwd_kernel in ("mosaic", "mosaic_dkdv", "mosaic_fused") and not packed
+    mosaic = launch.bwd_kernel in ("mosaic", "mosaic_dkdv") and not packed
     dkdv_ins = [_group_spec(tq, d, g), _block_spec(bk, d), _block_spec(bk, d)]
     qi = functools.partial(query_block, n=tq // bq, heavy_first=launch.heavy_first)
     dq_ins = [_block_spec(bq, d, qi), _full_spec(tk, d, g), _full_spec(tk, d, g)]
@@ -260,10 +260,6 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
             input_output_aliases={len(operands): 0}, interpret=interpret_mode(),
             compiler_params=dq_params, name=_name("dq", cfg),
         )(*operands, dqkv)
-    if mosaic and launch.bwd_kernel == "mosaic_fused":
-        return backward_mosaic.dkdv_dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
-                                              stages=launch.mosaic_bwd_stages,
-                                              regs=launch.mosaic_bwd_regs)
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                              stages=launch.mosaic_bwd_stages,

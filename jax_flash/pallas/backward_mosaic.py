@@ -15,15 +15,9 @@ head and streams the query blocks of its group's query heads one head after the 
 
 The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure: 128 query rows per program in two compute
 warpgroups, K and V tiles streamed by a producer warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ,
-dQ += bf16(dS)·K. Chosen by ``Launch.bwd_kernel``: "mosaic" (both kernels), "mosaic_fused" (below)
-or "mosaic_dkdv" (dQ stays Triton's); ``jax_flash.plan`` runs the Triton kernels instead where
-``check`` says these do not cover the call, or raises if the caller asked for them.
-
-The fused kernel (``dkdv_dq_mosaic``, ``Launch.bwd_kernel="mosaic_fused"``: head_dim 128, no GQA,
-windows or padding) is the dK/dV kernel that also sums dQ = dS·K from the dSᵀ it computes (five
-products per tile where the two kernels take seven): the programs' 128-key sums reach dQ's FP32
-accumulator in GMEM in the order the programs reach each query block (``_kernel``'s ``rank``),
-held by a GMEM semaphore per query block and half of head_dim, then dQ is scaled and rounded once.
+dQ += bf16(dS)·K. Chosen by ``Launch.bwd_kernel``: "mosaic" (both kernels) or "mosaic_dkdv" (dQ stays
+Triton's); ``jax_flash.plan`` runs the Triton kernels instead where ``check`` says these do not cover
+the call, or raises if the caller asked for them.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
@@ -48,10 +42,6 @@ KEYS_PER_WG = 64  # wgmma's M: the keys of one compute warpgroup
 COMPUTE_WGS = 2
 KEYS = KEYS_PER_WG * COMPUTE_WGS  # keys per program
 Q_TILE = 64  # query rows per streamed block (the reduction dimension of dK, dV: numerics-neutral)
-DQ_COLS = 64  # dQ columns a warpgroup of the fused kernel computes (head_dim 128 in two halves)
-# Without the causal mask a fused program may wait on the program of its head launched last, so
-# all of a head's programs must fit on the GPU at once (one a multiprocessor: 132 on an H200)
-FUSED_FULL_KEY_BLOCKS = 64
 DQ_KEY_TILE = 64  # keys per streamed tile of the dQ kernel (its reduction dimension)
 # the dQ kernel's key tiles (``Launch.mosaic_dq_keys``): dQ sums the tiles' dS·K in the same key
 # order either way, as one accumulator's successive products; with 128-key tiles its K/V ring
@@ -115,13 +105,12 @@ def ds_tile(p_t, dp_t, delta_b):
 
 
 # ----------------------------------------------------------------------------------- the kernel
-def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest, cfg: Numerics,
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Numerics,
             nq: int, stages: int, interpret: bool, overlap: bool = False,
-            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), fused: bool = False):
+            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
-    dq_ref, scratch = rest if fused else (None, *rest)
     (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
      free, k_ready, v_ready, *staging) = scratch
     bq, bk, d = Q_TILE, KEYS_PER_WG, q_ref.shape[-1]
@@ -130,11 +119,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
     # the other, each with its query blocks in increasing order (the Triton kernel's order)
     g = cfg.groups
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
-    kblk = lax.axis_index("kblk")
-    if fused:  # last key blocks first: a dQ block's sum waits only on programs launched earlier
-        kblk = q_ref.shape[1] // KEYS - 1 - kblk
-    key0 = kblk * KEYS  # causal, not fused: the first programs have the most query blocks
-    start = key0 // bq  # fused: the program's first query block (its causal diagonal)
+    key0 = lax.axis_index("kblk") * KEYS  # causal: the first programs have the most query blocks
     # the program streams the query blocks [p_lo, p_hi) that see its keys (tile.q_block_bounds: the
     # causal diagonal, a window's edges), per query head of its group
     p_lo, _, _, p_hi = tile.q_block_bounds(key0, bq, KEYS, nq, cfg)
@@ -149,11 +134,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
         else:
             vec = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(vec, (bk, bq), [1])
-
-    if fused:  # dQ's shared tiles and, compiled, one semaphore per (batch, head, query block, half)
-        ds_smem, dq_stage, ds_ready, ds_free, *staging = staging
-        n_sems = q_ref.shape[0] * q_ref.shape[2] * nq * COMPUTE_WGS
-        sems = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((n_sems,)))
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -178,100 +158,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
             slot = lax.rem(base + b - p_lo, stages)
             wait_ready(slot)
             plgpu.barrier_arrive(free.at[slot])
-
-        # dQ in this kernel (``fused``): per query block b, both warpgroups' bf16 dSᵀ go to shared
-        # memory and warpgroup w computes columns [w·64, w·64 + 64) of dS·K over the program's 128
-        # keys (one product, in order of the keys). Program j visits the query blocks from its
-        # ``start`` = 2j on (wrapping around without the causal mask), so it reaches block b
-        # rem(b − 2j, nq) steps in, 2 after program j + 1: that order, ``rank``, is the order in
-        # which the programs' sums reach dQ's FP32 accumulator in GMEM, the first stored, each next
-        # added by a TMA reduction once the one before has completed (a GMEM semaphore per block
-        # and half). Interpreted, each sum goes to its rank's slot and the slots are added after.
-        cols = pl.ds(pl.multiple_of(wg * DQ_COLS, DQ_COLS), DQ_COLS)
-        t_len, n_kblk = q_ref.shape[1], q_ref.shape[1] // KEYS
-
-        def sem_at(b):
-            return sems.at[((batch * q_ref.shape[2] + head) * nq + b) * COMPUTE_WGS + wg]
-
-        def rank(b):
-            return lax.rem(b * bq - key0 + t_len, t_len) // KEYS
-
-        def is_last(b):  # no program adds to block b after this one
-            return rank(b) == (b * bq // KEYS if cfg.causal else n_kblk - 1)
-
-        def prev(b):
-            return lax.rem(b - 1 + nq, nq)
-
-        def dq_phase(b, ds_op, dk, q_tile=None):
-            """dK += dSᵀ·Q (``dk`` None: a block this warpgroup's keys do not see, dSᵀ zero) and
-            this warpgroup's columns of the program's dS·K, as (dk, dq)."""
-            pl.when(b != start)(lambda: plgpu.barrier_wait(ds_free))  # the last dS is read
-            ds_smem.at[wg][...] = ds_op
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ds_ready)
-            zeros = wgmma_layout(jnp.zeros((bq, DQ_COLS), jnp.float32))
-            if not interpret:
-                def dq_mmas(dq_acc):
-                    plgpu.barrier_wait(ds_ready)
-                    for w in range(COMPUTE_WGS):
-                        plgpu.wgmma(dq_acc, ds_smem.at[w].T, k_smem.at[w, :, cols])
-
-                def mmas(refs):  # dK's product runs while the other warpgroup writes its dSᵀ
-                    dk_ref, dq_acc = refs
-                    # dSᵀ from shared memory, where dQ reads it too: its registers free early
-                    plgpu.wgmma(dk_ref, ds_smem.at[wg], q_tile)
-                    dq_mmas(dq_acc)
-
-                if dk is None:
-                    dq = pl.run_state(dq_mmas)(plgpu.ACC.init(zeros))
-                else:
-                    dk, dq = pl.run_state(mmas)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros)))
-            else:  # the interpreter: shared-memory operands, tile.py's dk + (dSᵀ·Q)
-                if dk is not None:
-                    def dk_mma(acc_ref):
-                        plgpu.wgmma(acc_ref, ds_smem.at[wg], q_tile)
-                        return acc_ref[...]
-
-                    dk = dk + pl.run_scoped(dk_mma, plgpu.ACC((bk, d), jnp.float32))
-                plgpu.barrier_wait(ds_ready)
-
-                def dq_mma(acc_ref):
-                    for w in range(COMPUTE_WGS):
-                        plgpu.wgmma(acc_ref, ds_smem.at[w].T, k_smem.at[w, :, cols])
-                    return acc_ref[...]
-
-                dq = pl.run_scoped(dq_mma, plgpu.ACC((bq, DQ_COLS), jnp.float32))
-            plgpu.barrier_arrive(ds_free)
-            return dk, dq
-
-        def dq_store(b, dq):
-            """This program's sum for block b into dQ's accumulator, after the ``rank`` programs
-            that reach b before it added theirs; the previous block's completes first and is
-            signalled to the program after this one."""
-            stage = dq_stage.at[wg]
-            plgpu.wait_smem_to_gmem(0)  # the last block's copy has read the stage and landed
-            if not interpret:
-                pl.when((b != start) & ~is_last(prev(b)))(
-                    lambda: plgpu.semaphore_signal(sem_at(prev(b)), 1, memory_scope="gpu"))
-            stage[...] = dq
-            plgpu.commit_smem()
-            rows = pl.ds(b * bq, bq)
-            if interpret:  # no semaphores nor TMA reductions: the rank's own slot
-                plgpu.copy_smem_to_gmem(stage, dq_ref.at[rank(b), batch, rows, head, cols])
-                return
-            dst = dq_ref.at[batch, rows, head, cols]
-            pl.when(rank(b) == 0)(lambda: plgpu.copy_smem_to_gmem(stage, dst))
-
-            @pl.when(rank(b) > 0)
-            def _():
-                for last in (False, True):  # the last program leaves the semaphore at 0
-                    pl.when(is_last(b) == last)(lambda last=last: plgpu.semaphore_wait(
-                        sem_at(b), rank(b), decrement=last, memory_scope="gpu"))
-                plgpu.copy_smem_to_gmem(stage, dst, reduction_op="add")
-
-        def skip_fused(b, _, base=0):  # the diagonal block of the second warpgroup's keys
-            skip(b, _, base)
-            dq_store(b, dq_phase(b, jnp.zeros((bk, bq), cfg.policy.p_dtype), None)[1])
 
         def overlapped(slot, q_tile, do_tile, s_t, mask_t, dk, dv):
             """``step``'s MMAs and tile arithmetic after Sᵀ, reordered so the tensor cores work
@@ -300,10 +186,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
                 (plgpu.ACC.init(zeros), plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
             return dk, dv
 
-        def step(b, carry, masked: bool, base=0, ring=None):
-            """Query block b; ``ring``: the ring's step (None: base + b − p_lo)."""
+        def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: the ring's step
             dk, dv = carry
-            slot = lax.rem(base + b - p_lo if ring is None else ring, stages)
+            slot = lax.rem(base + b - p_lo, stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
 
@@ -338,8 +223,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
             else:
                 # jax 0.11's GPU interpreter has neither run_state nor a register wgmma operand:
                 # Pᵀ goes through shared memory, and the sum is tile.py's dv + (Pᵀ·dO)
-                p_stage = staging[0].at[wg]
-                ds_stage = None if fused else staging[1].at[wg]
+                p_stage, ds_stage = staging[0].at[wg], staging[1].at[wg]
                 p_stage[...] = cast_rounded(p_t, pol.p_dtype)
                 plgpu.commit_smem()
 
@@ -353,11 +237,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
                 dv = dv + pdo
             plgpu.barrier_wait(dlt_ready.at[slot])
             ds_t = ds_tile(p_t, dp_t, row_vector(dlt_smem.at[slot]))
-            if fused:
-                dk, dq = dq_phase(b, cast_rounded(ds_t, pol.p_dtype), dk, q_tile)
-                plgpu.barrier_arrive(free.at[slot])
-                dq_store(b, dq)
-                return dk, dv
             if not interpret:
                 ds_op = cast_rounded(ds_t, pol.p_dtype)
 
@@ -378,16 +257,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
             return dk, dv
 
         def one_head(i, carry):  # query head head·g + i: its n_steps query blocks
-            if fused and not cfg.causal:  # every block, from ``start`` on, unmasked
-                return lax.fori_loop(0, nq, lambda r, c: step(
-                    lax.rem(start + r, nq), c, masked=False, ring=r), carry)
             base = i * n_steps
             # above the diagonal, a window's upper edge; the window's lower edge (without one,
             # full_hi = hi = p_hi)
             # keys at or past a padded length see only masked blocks: the trailing loop runs them
             return mosaic_common.visit_tiles(
-                functools.partial(step, base=base),
-                functools.partial(skip_fused if fused else skip, base=base), carry,
+                functools.partial(step, base=base), functools.partial(skip, base=base), carry,
                 (p_lo, p_hi), (lo, full_lo, full_hi, hi),
                 masked_first=cfg.causal or cfg.window is not None,
                 masked_last=cfg.window is not None or cfg.kv_len < q_ref.shape[1])
@@ -395,13 +270,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
         zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
         carry = (zeros, zeros)
         dk, dv = one_head(0, carry) if g == 1 else lax.fori_loop(0, g, one_head, carry)
-        if fused:
-            plgpu.wait_smem_to_gmem(0)
-            if not interpret:
-                last_block = nq - 1 if cfg.causal else prev(start)
-                pl.when(~is_last(last_block))(
-                    lambda: plgpu.semaphore_signal(sem_at(last_block), 1, memory_scope="gpu"))
-            plgpu.barrier_wait(ds_free)  # the other warpgroup's last dS·K has read this K
         k_tile[...] = (dk * cfg.sm_scale).astype(k_tile.dtype)
         v_tile[...] = dv.astype(v_tile.dtype)
         plgpu.commit_smem()
@@ -413,9 +281,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, *rest
     def _produce():
         plgpu.set_max_registers(regs[1], action="decrease")
 
-        if g == 1:  # fused without the causal mask: from the program's start on, wrapping around
-            rows = lambda s: pl.ds((lax.rem(start + s, nq) if fused and not cfg.causal
-                                    else p_lo + s) * bq, bq)
+        if g == 1:
+            rows = lambda s: pl.ds((p_lo + s) * bq, bq)
             qh = lambda s: head
         else:  # ring step s: query head head·g + s // n_steps, its block p_lo + s mod n_steps
             rows = lambda s: pl.ds((p_lo + lax.rem(s, n_steps)) * bq, bq)
@@ -489,44 +356,6 @@ def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE):
     )
 
 
-def fused_scratch(dtype, interpret: bool):
-    """The fused kernel's scratch beside ``dkdv_scratch``'s: both warpgroups' dSᵀ, each one's FP32
-    dQ columns on their way to GMEM, and the barriers of the shared dSᵀ; interpreted, Pᵀ's
-    staging."""
-    plgpu = mosaic_common.plgpu()
-    layout = mosaic_common.swizzled()
-    # FP32 rows of 128 bytes swizzled as the bf16 tiles are: the accumulator's stores spread over
-    # the banks (unswizzled, the rows of a 64-column tile all start in the same bank)
-    f32_layout = plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)
-    wgs = (COMPUTE_WGS, KEYS_PER_WG)
-    scratch = (
-        plgpu.SMEM((*wgs, Q_TILE), dtype, transforms=layout),  # dSᵀ of each warpgroup's keys
-        plgpu.SMEM((COMPUTE_WGS, Q_TILE, DQ_COLS), jnp.float32, transforms=f32_layout),  # dQ part
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both dSᵀ written
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both dS·K read them
-    )
-    if interpret:
-        scratch += (plgpu.SMEM((*wgs, Q_TILE), dtype, transforms=layout),)  # Pᵀ
-    return scratch
-
-
-def check_fused(cfg: Numerics, shape) -> str | None:
-    """Why the fused kernel (dQ summed in the dK/dV kernel, ``Launch.bwd_kernel="mosaic_fused"``)
-    cannot run a call ``check`` admits (None: it can). ``shape``: q's padded ``[B, T, H, D]``."""
-    if cfg.window is not None:
-        return "a window (the fused dQ covers the causal mask or none)"
-    if cfg.groups != 1:
-        return f"{cfg.groups} query heads per key/value head (the fused dQ covers one)"
-    if shape[-1] != 2 * DQ_COLS:
-        return f"head_dim {shape[-1]} (the fused dQ covers {2 * DQ_COLS})"
-    if cfg.kv_len != shape[1]:
-        return f"length {cfg.kv_len} padded to {shape[1]} (the fused dQ covers unpadded lengths)"
-    if not cfg.causal and shape[1] > FUSED_FULL_KEY_BLOCKS * KEYS:
-        return (f"length {shape[1]} without the causal mask (the fused dQ covers up to "
-                f"{FUSED_FULL_KEY_BLOCKS * KEYS}: a head's programs wait on each other)")
-    return None
-
-
 def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
                 overlap=False, regs=None):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
@@ -540,62 +369,18 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     ``regs``: ``Launch.mosaic_bwd_regs``, the (compute, producer) registers a thread (None:
     ``COMPUTE_REGS``, ``PRODUCER_REGS``), which changes where values live, not what they are."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
-    return _dkdv_call(q, k, v, do, lse, dlt, cfg, out_dtype, interpret, stages, overlap, regs,
-                      fused=False)
-
-
-def dkdv_dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-                   regs=None):
-    """(dQ, dK, dV) from one kernel: ``dkdv_mosaic``'s, which also sums dQ = dS·K from the dSᵀ it
-    computes, five matrix products per tile where the two kernels take seven (the dQ kernel
-    recomputes S and dP). dQ is summed in FP32 in GMEM over the programs' 128-key blocks in the
-    order the programs reach each query block (``_kernel``'s ``rank``: decreasing keys under the
-    causal mask) — a fixed order, so the result does not depend on scheduling — then scaled by
-    sm_scale and rounded once, as the dQ kernel's. Without the causal mask each program walks the
-    query blocks from its own start, so its dK and dV sum them in that order. Head_dim 128 without
-    GQA, windows or padding (``check_fused``); arguments as ``dkdv_mosaic``."""
-    _require_covered("fused dK/dV/dQ", cfg, q, k, v, do, out_dtype)
-    reason = check_fused(cfg, q.shape)
-    if reason is not None:
-        raise ValueError(f"the fused Mosaic GPU backward does not cover this call: {reason}")
-    dk, dv, dq = _dkdv_call(q, k, v, do, lse, dlt, cfg, out_dtype, interpret, stages, False, regs,
-                            fused=True)
-    if interpret is not None:
-        dq = _add_in_rank_order(dq, cfg.causal)
-    return (dq * cfg.sm_scale).astype(out_dtype), dk, dv
-
-
-def _add_in_rank_order(parts, causal: bool):
-    """The interpreted fused kernel's dQ: ``parts[r]`` holds the sums of the programs that reach
-    each query block r-th (``_kernel``'s ``rank``); added as the GPU's TMA reductions add them,
-    the first alone, each next onto the total, only where that many programs reach the block."""
-    t = parts.shape[2]
-    # programs that reach each row's query block: up to the diagonal's key block, or all of them
-    n = (jnp.arange(t) // KEYS + 1) if causal else jnp.full((t,), parts.shape[0])
-    total = parts[0]
-    for r in range(1, parts.shape[0]):
-        total = jnp.where((r < n)[None, :, None, None], total + parts[r], total)
-    return total
-
-
-def _dkdv_call(q, k, v, do, lse, dlt, cfg, out_dtype, interpret, stages, overlap, regs, *, fused):
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
     nq = t // Q_TILE
     layout = mosaic_common.swizzled()
-    compiled = fused_scratch(q.dtype, False) if fused else ()  # what shared memory must hold
-    if interpret is None:
-        extra = compiled
-    elif fused:
-        extra = fused_scratch(q.dtype, True)
-    else:  # Pᵀ, dSᵀ staged for the interpreter's wgmma
-        extra = (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
-    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n) + compiled, stages,
-                                       STAGES[d], nq, "fused dK/dV/dQ" if fused else "dK/dV")
-    scratch = dkdv_scratch(d, q.dtype, stages) + extra
+    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n), stages, STAGES[d],
+                                       nq, "dK/dV")
+    scratch = dkdv_scratch(d, q.dtype, stages)
+    if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
+        scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
     body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages,
                              interpret=interpret is not None, overlap=bool(overlap),
-                             regs=_regs(regs), fused=fused)
+                             regs=_regs(regs))
 
     def entry(*refs):
         from jax.experimental import pallas as pl
@@ -606,23 +391,20 @@ def _dkdv_call(q, k, v, do, lse, dlt, cfg, out_dtype, interpret, stages, overlap
 
     kwargs = {} if interpret is None else {"interpret": interpret}
     out = jax.ShapeDtypeStruct(k.shape, out_dtype)
-    # fused: dQ's FP32 accumulator (interpreted: one slot per rank, see ``_kernel``)
-    dq_shape = q.shape if interpret is None else (t // KEYS, *q.shape)
-    outs = (out, out) + ((jax.ShapeDtypeStruct(dq_shape, jnp.float32),) if fused else ())
-    name = "dkdvdq" if fused else "dkdv"
-    return plgpu.kernel(
+    dk, dv = plgpu.kernel(
         entry,
-        out_type=outs,
+        out_type=(out, out),
         # a program per key block and key/value head; the last axis is launched fastest, so a
         # head's key blocks run side by side and share its Q and dO in L2
         grid=(bsz, k.shape[2], t // KEYS),
         grid_names=("batch", "head", "kblk"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        kernel_name=f"jax_flash_{name}_mosaic_{cfg.policy.name}",  # profilers filter on "jax_flash"
+        kernel_name=f"jax_flash_dkdv_mosaic_{cfg.policy.name}",  # profilers filter on "jax_flash"
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kwargs,
     )(q, k, v, do, lse, dlt)
+    return dk, dv
 
 
 # ---------------------------------------------------------------------------------------------- dQ

@@ -33,17 +33,17 @@ def test_tie_count_grows_with_the_key_tile():
         assert extra["k128"][op] - extra["k64"][op] == BODIES * PER_ENTRY_OPS_PER_64_KEYS, op
 
 
-def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv", causal=True, batch=1, heads=2):
-    """The dK/dV (or dQ, or fused) kernel's module at [batch, t, heads, d], without its per-process
+def _bwd_module(d, overlap=False, t=256, regs=None, kernel="dkdv", batch=1, heads=2):
+    """The causal dK/dV (or dQ) kernel's module at [batch, t, heads, d], without its per-process
     dump name."""
     from jax_flash.pallas import backward_mosaic as bm
     from lab import mosaic_ops
 
-    cfg = mosaic_ops.numerics((batch, t, heads, d), causal)
+    cfg = mosaic_ops.numerics((batch, t, heads, d), True)
     q = jax.ShapeDtypeStruct((batch, t, heads, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((batch, heads, t), jnp.float32)
     kw = {"regs": regs} | ({"overlap": overlap} if kernel == "dkdv" else {})
-    fn = {"dkdv": bm.dkdv_mosaic, "dq": bm.dq_mosaic, "fused": bm.dkdv_dq_mosaic}[kernel]
+    fn = bm.dkdv_mosaic if kernel == "dkdv" else bm.dq_mosaic
     f = jax.jit(lambda *a: fn(*a, cfg, out_dtype=jnp.bfloat16, **kw))
     with mosaic_ops.captured_modules() as seen:
         jax.export.export(f, platforms=["cuda"])(q, q, q, q, rows, rows)
@@ -104,31 +104,3 @@ def test_blocks_are_launched_fastest(kernel):
     else:
         module = _bwd_module(128, t=shape[1], kernel=kernel, batch=shape[0], heads=shape[2])
     assert [tuple(map(int, m)) for m in LAUNCH.findall(module)] == [(4, 5, 3)]
-
-
-def test_fused_backward_lowers_with_its_reductions_and_semaphores():
-    """The fused kernel (``Launch.bwd_kernel="mosaic_fused"``) lowers for CUDA: the dK/dV kernel's
-    MMAs plus, per query block, one 64×64 dS·K product over each warpgroup's 64 keys (in the two
-    loop bodies and the second warpgroup's diagonal block), one TMA reduction adding into dQ per
-    such block, and a GMEM semaphore: waited before each reduction (a plain load, or a
-    compare-and-swap that resets it in the last program), released after each block's copy
-    (deferred one block, plus the last). Without the causal mask, the same in one loop body."""
-    import collections
-
-    plain, fused = _bwd_module(128), _bwd_module(128, kernel="fused")
-    mma = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)")
-    extra = collections.Counter(mma.findall(fused)) - collections.Counter(mma.findall(plain))
-    phases = BODIES + 1
-    assert extra == {"m64n64k16": phases * 2 * 64 // 16}  # two 64-key products of K = 16 each
-    assert fused.count("cp.reduce.async.bulk.tensor.5d.global.shared::cta.add") == phases
-    assert fused.count("red.release.gpu.global.add.u32") == phases + 1
-    assert fused.count("atom.relaxed.gpu.global.cas.b32") == phases
-    assert fused.count("ld.relaxed.gpu.global.b32") == phases
-    assert "cp.reduce.async.bulk" not in plain
-    # without the mask: one loop over every block from the program's start (one dQ phase)
-    full = _bwd_module(128, kernel="fused", causal=False)
-    extra = collections.Counter(mma.findall(full)) - collections.Counter(
-        mma.findall(_bwd_module(128, causal=False)))
-    assert extra == {"m64n64k16": 2 * 64 // 16}
-    assert full.count("cp.reduce.async.bulk.tensor.5d.global.shared::cta.add") == 1
-    assert full.count("red.release.gpu.global.add.u32") == 2
