@@ -18,7 +18,7 @@ def test_shipped_table_loads_with_launch_fields_only():
         policy, d, t, mask = key.split("/")
         assert d.startswith("d") and t.startswith("t") and mask in ("causal", "full")
     raw = json.loads(tuning.TABLE_PATH.read_text())
-    names = {f for entry in raw.values() for f in entry} - set(tuning.META_FIELDS)
+    names = {f for entry in raw.values() for f in entry} - set(tuning.PROVENANCE)
     assert names <= set(jf.Launch.__dataclass_fields__), names
 
 
@@ -30,6 +30,16 @@ def test_table_with_a_numerics_field_does_not_load(tmp_path, field, value):
                                                          field: value}}))
     with pytest.raises(ValueError, match=f"entry 'fa2/d64/t1024/causal': not launch fields: \\['{field}'\\]"):
         tuning.load(path)
+
+
+def test_revised_note_is_provenance_not_launch(tmp_path):
+    """``revised`` (a field changed after the search, and the run that measured it) is provenance:
+    the entry's launch is the same without it; any other unknown field still raises."""
+    entry = {"arch": "sm_90", "device": "d", "jax_version": "0", "ms": 1.0, "mosaic_dq_keys": 128}
+    noted = tuning.entry_launch({**entry, "revised": "mosaic_dq_keys 128: run F"})
+    assert noted == tuning.entry_launch(entry) and noted.mosaic_dq_keys == 128
+    with pytest.raises(ValueError, match="not launch fields"):
+        tuning.entry_launch({**entry, "revision": "a misspelt note"})
 
 
 def test_env_table_replaces_the_shipped_entries_of_its_keys(tmp_path, monkeypatch):

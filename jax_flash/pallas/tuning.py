@@ -2,7 +2,8 @@
 
 ``tuning.json`` beside this file is written by ``python -m bench.tune`` on a GPU. An entry holds
 launch fields only (``spec.Launch``: kernel family, warps and stages, resident blocks, prefetching)
-plus where it was measured (``device``, ``arch``, ``jax_version``, ``ms``); it applies on GPUs of the
+plus where it was measured (``device``, ``arch``, ``jax_version``, ``ms``; ``revised``, where a
+field was changed after the search: what, and the run that measured it); it applies on GPUs of the
 architecture it was measured on, at its length bucket and, where that has no entry, the buckets
 beside it (half and twice the length). Nothing in it can change a computed value: tile sizes and
 numerics flags are arguments of the call (``jax_flash.plan`` shows both).
@@ -25,7 +26,8 @@ from ..spec import Launch
 
 TABLE_PATH = Path(__file__).with_name("tuning.json")
 ENV_VAR = "JAX_FLASH_TUNING"
-META_FIELDS = ("device", "arch", "jax_version", "ms")
+META_FIELDS = ("device", "arch", "jax_version", "ms")  # every entry's provenance
+PROVENANCE = (*META_FIELDS, "revised")
 
 
 def key(policy: str, head_dim: int, seq_len: int, causal: bool) -> str:
@@ -35,7 +37,7 @@ def key(policy: str, head_dim: int, seq_len: int, causal: bool) -> str:
 
 def entry_launch(entry: dict) -> Launch:
     """The launch an entry sets; a field that is neither a launch field nor provenance raises."""
-    return Launch.from_dict({k: v for k, v in entry.items() if k not in META_FIELDS})
+    return Launch.from_dict({k: v for k, v in entry.items() if k not in PROVENANCE})
 
 
 def load(path: Path = TABLE_PATH) -> dict[str, tuple[str | None, Launch]]:
