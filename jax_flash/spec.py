@@ -146,9 +146,9 @@ class Launch:
     # Q/dO and K/V tiles); None: the kernels' per-shape defaults. Only how far loads run ahead.
     mosaic_fwd_stages: int | None = None
     mosaic_bwd_stages: int | None = None
-    # Mosaic dK/dV kernel: issue V·dOᵀ before Pᵀ is computed and dV before dPᵀ is awaited, so the
-    # tensor cores run under the exps; the same MMAs on the same operands, dK and dV summed in order
-    mosaic_bwd_overlap: bool = False
+    # Mosaic dK/dV kernel: its two compute warpgroups take turns on the tensor cores, as the
+    # forward's do, one's elementwise work under the other's MMAs. Only the schedule.
+    mosaic_bwd_pingpong: bool = False
     # Mosaic backward kernels: registers a thread of each compute / producer warpgroup asks for
     # (setmaxnreg); None: (232, 40). Only where values live, so only whether the compiler spills.
     mosaic_bwd_regs: tuple[int, int] | None = None
@@ -171,7 +171,7 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("mosaic_bwd_overlap", "heavy_first"):
+        for name in ("mosaic_bwd_pingpong", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:

@@ -351,25 +351,25 @@ def test_gpu_mosaic_dkdv_only_keeps_triton_dq():
 @pytest.mark.parametrize("shape", [(2, 2048, 4, 128), (2, 1024, 4, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_mosaic_bwd_overlap_changes_no_bit(shape, causal):
-    """``Launch.mosaic_bwd_overlap`` only moves where the dK/dV kernel issues and awaits its MMAs
-    (each MMA the same operands, dK and dV summed over the query blocks in the same order): O, dQ,
-    dK, dV bitwise those of the plain order."""
+def test_gpu_mosaic_bwd_pingpong_changes_no_bit(shape, causal):
+    """``Launch.mosaic_bwd_pingpong`` only makes the dK/dV kernel's warpgroups take turns (each MMA
+    the same operands, dK and dV summed over the query blocks in the same order): O, dQ, dK, dV
+    bitwise those of the default schedule."""
     q, k, v, do = (randn(50 + s, shape) for s in range(4))
-    f = lambda overlap: run(q, k, v, do, impl="pallas", causal=causal,
-                            launch={"bwd_kernel": "mosaic", "mosaic_bwd_overlap": overlap})
+    f = lambda pingpong: run(q, k, v, do, impl="pallas", causal=causal,
+                             launch={"bwd_kernel": "mosaic", "mosaic_bwd_pingpong": pingpong})
     chex.assert_trees_all_equal(f(True), f(False))
 
 
 @pytest.mark.parametrize("shape", [(2, 2048, 4, 128), (2, 1024, 4, 64)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_gpu_mosaic_bwd_regs_change_no_bit(shape, overlap):
+@pytest.mark.parametrize("pingpong", [False, True], ids=["plain", "pingpong"])
+def test_gpu_mosaic_bwd_regs_change_no_bit(shape, pingpong):
     """``Launch.mosaic_bwd_regs`` (240 registers a compute thread, 24 a producer's, against 232 and
     40) changes only where the compiler keeps values: O, dQ, dK, dV bitwise the default split's."""
     q, k, v, do = (randn(60 + s, shape) for s in range(4))
     f = lambda regs: run(q, k, v, do, impl="pallas", causal=True,
-                         launch={"bwd_kernel": "mosaic", "mosaic_bwd_overlap": overlap,
+                         launch={"bwd_kernel": "mosaic", "mosaic_bwd_pingpong": pingpong,
                                  "mosaic_bwd_regs": regs})
     chex.assert_trees_all_equal(f((240, 24)), f(None))
 

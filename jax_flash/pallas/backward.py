@@ -263,7 +263,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                              stages=launch.mosaic_bwd_stages,
-                                             overlap=launch.mosaic_bwd_overlap,
+                                             pingpong=launch.mosaic_bwd_pingpong,
                                              regs=launch.mosaic_bwd_regs)
     else:
         dk, dv = pl.pallas_call(

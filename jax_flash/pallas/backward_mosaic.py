@@ -106,13 +106,15 @@ def ds_tile(p_t, dp_t, delta_b):
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Numerics,
-            nq: int, stages: int, interpret: bool, overlap: bool = False,
+            nq: int, stages: int, interpret: bool, pingpong: bool = False,
             regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
     (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
-     free, k_ready, v_ready, *staging) = scratch
+     free, k_ready, v_ready, *rest) = scratch
+    turn = rest.pop(0) if pingpong else None
+    staging = rest
     bq, bk, d = Q_TILE, KEYS_PER_WG, q_ref.shape[-1]
     wg = lax.axis_index("wg")
     # the program's key/value head; its group's query heads head·g … head·g + g − 1 come one after
@@ -158,33 +160,16 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             slot = lax.rem(base + b - p_lo, stages)
             wait_ready(slot)
             plgpu.barrier_arrive(free.at[slot])
+            for _ in range(4):  # a step's turns, so that the other warpgroup's pair up
+                take_turn()
 
-        def overlapped(slot, q_tile, do_tile, s_t, mask_t, dk, dv):
-            """``step``'s MMAs and tile arithmetic after Sᵀ, reordered so the tensor cores work
-            under the elementwise math (``Launch.mosaic_bwd_overlap``): dPᵀ = V·dOᵀ is issued before
-            Pᵀ is computed, dV += Pᵀ·dO before dPᵀ is awaited, dK += dSᵀ·Q while dV may still run;
-            one wait for all at the end. Each MMA has the operands and accumulator of the plain
-            order, and dV, dK are each accumulated over the query blocks in the same order."""
-            pol = cfg.policy
-            plgpu.barrier_wait(do_ready.at[slot])  # dPᵀ reads dO: before it is issued
-
-            def body(refs):
-                dp_ref, dv_ref, dk_ref = refs
-                plgpu.wgmma(dp_ref, v_tile, do_tile.T)
-                plgpu.barrier_wait(lse_ready.at[slot])
-                p_t = p_tile(s_t, row_vector(lse_smem.at[slot]), mask_t, cfg)
-                plgpu.wgmma(dv_ref, cast_rounded(p_t, pol.p_dtype), do_tile)
-                # groups retire in issue order: with one (dV) left in flight, dPᵀ is complete
-                dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
-                plgpu.barrier_wait(dlt_ready.at[slot])
-                ds_t = ds_tile(p_t, dp_t, row_vector(dlt_smem.at[slot]))
-                plgpu.wgmma(dk_ref, cast_rounded(ds_t, pol.p_dtype), q_tile)
-
-            zeros = wgmma_layout(jnp.zeros((bk, bq), jnp.float32))
-            # run_state waits for every MMA it issued (wait_group 0) before handing dV, dK back
-            _, dv, dk = pl.run_state(body)(
-                (plgpu.ACC.init(zeros), plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-            return dk, dv
+        def take_turn():
+            """Both compute warpgroups meet here (``Launch.mosaic_bwd_pingpong``): each call pairs
+            with one of the other's, and warpgroup 1 takes one first, so that one's MMAs run while
+            the other's elementwise work does; without pingpong, nothing."""
+            if pingpong:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
 
         def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: the ring's step
             dk, dv = carry
@@ -192,17 +177,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
 
+            # with pingpong, a step's four turns split it into two MMA phases (dK's product of the
+            # step before and Sᵀ's; dV's and dPᵀ's) and two elementwise ones (Pᵀ; dSᵀ)
             def sk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_tile.T)
+                take_turn()
                 return acc_ref[...]
 
             s_t = pl.run_scoped(sk, plgpu.ACC((bk, bq), jnp.float32))
-            if overlap and not interpret:  # the interpreter runs the plain order below
-                mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
-                          if masked else None)
-                dk, dv = overlapped(slot, q_tile, do_tile, s_t, mask_t, dk, dv)
-                plgpu.barrier_arrive(free.at[slot])
-                return dk, dv
             plgpu.barrier_wait(lse_ready.at[slot])
             lse_b = row_vector(lse_smem.at[slot])
             mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
@@ -212,11 +194,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             plgpu.barrier_wait(do_ready.at[slot])
             if not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
                 p_op = cast_rounded(p_t, pol.p_dtype)
+                take_turn()
 
                 def dv_dp(refs):
                     dv_ref, dp_ref = refs
                     plgpu.wgmma(dv_ref, p_op, do_tile)
                     plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+                    take_turn()
 
                 zeros = wgmma_layout(jnp.zeros((bk, bq), jnp.float32))
                 dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
@@ -226,10 +210,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 p_stage, ds_stage = staging[0].at[wg], staging[1].at[wg]
                 p_stage[...] = cast_rounded(p_t, pol.p_dtype)
                 plgpu.commit_smem()
+                take_turn()
 
                 def dv_dp(dv_ref, dp_ref):
                     plgpu.wgmma(dv_ref, p_stage, do_tile)
                     plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+                    take_turn()
                     return dv_ref[...], dp_ref[...]
 
                 pdo, dp_t = pl.run_scoped(dv_dp, plgpu.ACC((bk, d), jnp.float32),
@@ -239,6 +225,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             ds_t = ds_tile(p_t, dp_t, row_vector(dlt_smem.at[slot]))
             if not interpret:
                 ds_op = cast_rounded(ds_t, pol.p_dtype)
+                take_turn()
 
                 def dk_mma(dk_ref):
                     plgpu.wgmma(dk_ref, ds_op, q_tile)
@@ -247,6 +234,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             else:
                 ds_stage[...] = cast_rounded(ds_t, pol.p_dtype)
                 plgpu.commit_smem()
+                take_turn()
 
                 def dk_mma(dk_ref):
                     plgpu.wgmma(dk_ref, ds_stage, q_tile)
@@ -269,7 +257,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
 
         zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
         carry = (zeros, zeros)
+        pl.when(wg == 1)(take_turn)  # one turn behind, so that the two alternate from the start
         dk, dv = one_head(0, carry) if g == 1 else lax.fori_loop(0, g, one_head, carry)
+        pl.when(wg == 0)(take_turn)  # pairs with warpgroup 1's first
         k_tile[...] = (dk * cfg.sm_scale).astype(k_tile.dtype)
         v_tile[...] = dv.astype(v_tile.dtype)
         plgpu.commit_smem()
@@ -314,8 +304,9 @@ def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
         raise ValueError(f"the Mosaic GPU {kernel} kernel does not cover this call: {reason}")
 
 
-def dkdv_scratch(d, dtype, stages):
-    """The dK/dV kernel's compiled shared-memory scratch with a Q/dO ring of ``stages``."""
+def dkdv_scratch(d, dtype, stages, pingpong=False):
+    """The dK/dV kernel's compiled shared-memory scratch with a Q/dO ring of ``stages`` (and, with
+    ``pingpong``, the barrier of the compute warpgroups' turns)."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
     return (
@@ -332,6 +323,7 @@ def dkdv_scratch(d, dtype, stages):
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # slot free
         plgpu.Barrier(num_barriers=COMPUTE_WGS),  # K arrived, per warpgroup
         plgpu.Barrier(num_barriers=COMPUTE_WGS),  # V arrived, per warpgroup
+        *((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if pingpong else ()),  # the turn
     )
 
 
@@ -357,15 +349,15 @@ def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE):
 
 
 def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-                overlap=False, regs=None):
+                pingpong=False, regs=None):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
     query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
     ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11; tests only). ``stages``: the depth
     of the Q/dO ring (``Launch.mosaic_bwd_stages``; None: ``STAGES``), which changes no value.
-    ``overlap``: ``Launch.mosaic_bwd_overlap``, the MMAs issued ahead of the elementwise work
-    (``_kernel``'s ``overlapped``), which changes no value either; interpreted, it is ignored: the
-    interpreter has no register operand of wgmma nor ``run_state`` to keep an MMA in flight.
+    ``pingpong``: ``Launch.mosaic_bwd_pingpong``, the two compute warpgroups taking turns on the
+    tensor cores as the forward's do (``_kernel``'s ``take_turn``): the same operations in the same
+    order per warpgroup, so the same values.
     ``regs``: ``Launch.mosaic_bwd_regs``, the (compute, producer) registers a thread (None:
     ``COMPUTE_REGS``, ``PRODUCER_REGS``), which changes where values live, not what they are."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
@@ -373,13 +365,14 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     bsz, t, h, d = q.shape
     nq = t // Q_TILE
     layout = mosaic_common.swizzled()
-    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n), stages, STAGES[d],
-                                       nq, "dK/dV")
-    scratch = dkdv_scratch(d, q.dtype, stages)
+    pingpong = bool(pingpong)
+    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n, pingpong), stages,
+                                       STAGES[d], nq, "dK/dV")
+    scratch = dkdv_scratch(d, q.dtype, stages, pingpong)
     if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
     body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages,
-                             interpret=interpret is not None, overlap=bool(overlap),
+                             interpret=interpret is not None, pingpong=pingpong,
                              regs=_regs(regs))
 
     def entry(*refs):
