@@ -155,6 +155,9 @@ class Launch:
     # Mosaic dQ kernel: keys a streamed K/V tile holds, 64 or 128 (None: 64); dQ sums the same
     # products in the same key order either way, only in longer MMAs and fewer ring steps
     mosaic_dq_keys: int | None = None
+    # Mosaic dQ kernel: its two compute warpgroups take turns on the tensor cores, one's dS under
+    # the other's products (S's and dP's issued together). Only the schedule.
+    mosaic_dq_pingpong: bool = False
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -171,7 +174,7 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("mosaic_bwd_pingpong", "heavy_first"):
+        for name in ("mosaic_bwd_pingpong", "mosaic_dq_pingpong", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:

@@ -165,12 +165,12 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, pingpong):
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
     launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
-                       mosaic_bwd_pingpong=pingpong, mosaic_bwd_regs=(240, 24),
-                       mosaic_dq_keys=128)
+                       mosaic_bwd_pingpong=pingpong, mosaic_dq_pingpong=not pingpong,
+                       mosaic_bwd_regs=(240, 24), mosaic_dq_keys=128)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    # the dK/dV kernel (called first) takes the flag; the dQ kernel its key tile instead
-    assert [s[-2:] for s in seen] == [(pingpong, None), (None, 128)][:len(seen)]
+    # the dK/dV kernel (called first) takes its ping-pong flag; the dQ kernel its own and its key tile
+    assert [s[-2:] for s in seen] == [(pingpong, None), (not pingpong, 128)][:len(seen)]
     for args, got_cfg, out_dtype, stages, regs, *_ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
@@ -216,7 +216,7 @@ def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None, dq_keys=None, pingpong
     assert not interp.get_races().races_found
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     dq = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                interpret=interpret_params(), stages=stages, keys=dq_keys)
+                interpret=interpret_params(), stages=stages, keys=dq_keys, pingpong=pingpong)
     jax.block_until_ready((dq))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return dq, dk, dv
@@ -261,24 +261,26 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("causal,window,kv_heads,n", [
-    (True, None, 1, 256), pytest.param(False, None, 2, 256, marks=pytest.mark.slow),
-    (True, (100, 30), 2, 256), pytest.param(True, None, 1, 200, marks=pytest.mark.slow)],
-    ids=["causal", "full-gqa", "window-gqa", "padded"])
-def test_interpreted_pingpong_changes_no_bit(rng, causal, window, kv_heads, n):
-    """``Launch.mosaic_bwd_pingpong``: the dK/dV kernel's two compute warpgroups meet four times a
-    query block (a skipped block too) and warpgroup 1 starts a turn behind; the same operations in
-    the same order per warpgroup, so dK and dV equal the default schedule's bit for bit, races
-    checked, causal or not, with a window and GQA (the turns go on across a group's query heads),
-    and at a padded length (blocks one warpgroup skips while the other computes)."""
+@pytest.mark.parametrize("causal,window,kv_heads,n,dq_keys", [
+    (True, None, 1, 256, None), pytest.param(False, None, 2, 256, None, marks=pytest.mark.slow),
+    (True, (100, 30), 2, 256, 128), pytest.param(True, None, 1, 200, 128, marks=pytest.mark.slow)],
+    ids=["causal", "full-gqa", "window-gqa-dq128", "padded-dq128"])
+def test_interpreted_pingpong_changes_no_bit(rng, causal, window, kv_heads, n, dq_keys):
+    """``Launch.mosaic_bwd_pingpong`` and ``mosaic_dq_pingpong``: each kernel's two compute
+    warpgroups meet at fixed points of every tile (four in dK/dV, two in dQ; a skipped tile too)
+    and warpgroup 1 starts a turn behind; the same operations in the same order per warpgroup, so
+    dQ, dK and dV equal the default schedule's bit for bit, races checked, causal or not, with a
+    window and GQA (the dK/dV kernel's turns go on across a group's query heads), and at a padded
+    length (tiles one warpgroup skips while the other computes)."""
     t, g = 256, 2 // kv_heads
     cfg = dataclasses.replace(make_cfg(n, 64, causal=causal), window=window, groups=g)
     q, do = (jnp.asarray(rng.standard_normal((1, t, 2, 64)), BF16) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((1, t, kv_heads, 64)), BF16) for _ in range(2))
     o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
     dlt = jitted(jnp_impl.delta, q, k, v, jnp.asarray(o).astype(BF16), do, lse, cfg=cfg)
-    base = _interpreted(q, k, v, do, lse, dlt, cfg)[1:]
-    chex.assert_trees_all_equal(_interpreted(q, k, v, do, lse, dlt, cfg, pingpong=True)[1:], base)
+    base = _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys)
+    chex.assert_trees_all_equal(
+        _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys, pingpong=True), base)
 
 
 @needs_interpreter

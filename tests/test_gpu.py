@@ -352,13 +352,18 @@ def test_gpu_mosaic_dkdv_only_keeps_triton_dq():
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_mosaic_bwd_pingpong_changes_no_bit(shape, causal):
-    """``Launch.mosaic_bwd_pingpong`` only makes the dK/dV kernel's warpgroups take turns (each MMA
-    the same operands, dK and dV summed over the query blocks in the same order): O, dQ, dK, dV
-    bitwise those of the default schedule."""
+    """``Launch.mosaic_bwd_pingpong`` and ``mosaic_dq_pingpong`` only make the backward kernels'
+    warpgroups take turns (each MMA the same operands, every gradient summed in the same order): O,
+    dQ, dK, dV bitwise those of the default schedule, with either or both, at 64- and 128-key dQ
+    tiles."""
     q, k, v, do = (randn(50 + s, shape) for s in range(4))
-    f = lambda pingpong: run(q, k, v, do, impl="pallas", causal=causal,
-                             launch={"bwd_kernel": "mosaic", "mosaic_bwd_pingpong": pingpong})
-    chex.assert_trees_all_equal(f(True), f(False))
+    f = lambda bwd, dq, keys=None: run(q, k, v, do, impl="pallas", causal=causal, launch={
+        "bwd_kernel": "mosaic", "mosaic_bwd_pingpong": bwd, "mosaic_dq_pingpong": dq,
+        "mosaic_dq_keys": keys})
+    base = f(False, False)
+    for bwd, dq in ((True, False), (False, True), (True, True)):
+        chex.assert_trees_all_equal(f(bwd, dq), base)
+    chex.assert_trees_all_equal(f(True, True, 128), f(False, False, 128))
 
 
 @pytest.mark.parametrize("shape", [(2, 2048, 4, 128), (2, 1024, 4, 64)],

@@ -327,9 +327,9 @@ def dkdv_scratch(d, dtype, stages, pingpong=False):
     )
 
 
-def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE):
+def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE, pingpong=False):
     """The dQ kernel's compiled shared-memory scratch with a K/V ring of ``stages`` tiles of
-    ``keys``."""
+    ``keys`` (and, with ``pingpong``, the barrier of the compute warpgroups' turns)."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
     rows = (COMPUTE_WGS, KEYS_PER_WG)
@@ -345,6 +345,7 @@ def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE):
         plgpu.Barrier(num_barriers=stages),  # V_j arrived
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
+        *((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if pingpong else ()),  # the turn
     )
 
 
@@ -409,12 +410,15 @@ def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
                nk: int, stages: int, interpret: bool,
-               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), keys: int = DQ_KEY_TILE):
+               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), keys: int = DQ_KEY_TILE,
+               pingpong: bool = False):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
     (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
-     k_ready, v_ready, k_free, v_free, *staging) = scratch
+     k_ready, v_ready, k_free, v_free, *rest) = scratch
+    turn = rest.pop(0) if pingpong else None
+    staging = rest
     rq, bk, d = KEYS_PER_WG, keys, q_ref.shape[-1]
     wg = lax.axis_index("wg")
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
@@ -447,28 +451,48 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         for bar in (q_ready, do_ready, lse_ready, dlt_ready):
             plgpu.barrier_wait(bar.at[wg])
 
+        def take_turn():
+            """Both compute warpgroups meet here (``Launch.mosaic_dq_pingpong``), as in the dK/dV
+            kernel: twice a key tile, warpgroup 1 a turn behind; without pingpong, nothing."""
+            if pingpong:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
         def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
             slot = lax.rem(j - p_lo, stages)
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(k_ready.at[slot])
+            if pingpong:  # S's and dP's products issued together, then the other's turn
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, k_tile.T)
-                return acc_ref[...]
+                def qk_dov(s_ref, dp_ref):
+                    plgpu.wgmma(s_ref, q_tile, k_tile.T)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.wgmma(dp_ref, do_tile, v_tile.T)
+                    take_turn()
+                    return s_ref[...], dp_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
-            plgpu.barrier_wait(v_ready.at[slot])
+                s, dp = pl.run_scoped(qk_dov, plgpu.ACC((rq, bk), jnp.float32),
+                                      plgpu.ACC((rq, bk), jnp.float32))
+            else:
 
-            def dov(acc_ref):
-                plgpu.wgmma(acc_ref, do_tile, v_tile.T)
-                return acc_ref[...]
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+                    return acc_ref[...]
 
-            dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
+                s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def dov(acc_ref):
+                    plgpu.wgmma(acc_ref, do_tile, v_tile.T)
+                    return acc_ref[...]
+
+                dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
             ds = ds_tile_dq(s, dp, row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg]), mask,
                             cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
+            take_turn()  # dS done: this warpgroup's dS·K and next S, dP while the other's dS runs
             if not interpret:  # dS from registers, dQ as the accumulator
 
                 def dsk(acc_ref):
@@ -494,15 +518,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
+            take_turn()  # a step's two turns, so that the other warpgroup's pair up
+            take_turn()
 
         dq = jnp.zeros((rq, d), jnp.float32)
         dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
+        pl.when(wg == 1)(take_turn)  # one turn behind, so that the two alternate from the start
         # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
         # window's right edge
         dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
                                        masked_first=cfg.window is not None,
                                        masked_last=cfg.causal or cfg.window is not None
                                        or cfg.kv_len % bk != 0)
+        pl.when(wg == 0)(take_turn)  # pairs with warpgroup 1's first
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
@@ -515,12 +543,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
 
 def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-              regs=None, keys=None):
+              regs=None, keys=None, pingpong=False):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
     128 query rows per program (two compute warpgroups of 64), key tiles of ``keys`` (64 or 128,
     ``Launch.mosaic_dq_keys``; None: 64) streamed by TMA, in increasing order up to the causal
     diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the K/V ring of 64-key tiles; 128-key
-    tiles take ``DQ128_STAGES``)."""
+    tiles take ``DQ128_STAGES``; ``pingpong``: ``Launch.mosaic_dq_pingpong``, the warpgroups taking
+    turns, S's and dP's products issued together: the same operations, the same values)."""
     _require_covered("dQ", cfg, q, k, v, do, out_dtype)
     keys = keys or DQ_KEY_TILE
     if keys not in DQ_KEY_TILES:
@@ -532,13 +561,15 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     rows = (COMPUTE_WGS, KEYS_PER_WG)
     if keys != DQ_KEY_TILE:
         stages = DQ128_STAGES[d]
-    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n, keys), stages,
+    pingpong = bool(pingpong)
+    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n, keys, pingpong), stages,
                                        STAGES[d], nk, "dQ")
-    scratch = dq_scratch(d, q.dtype, stages, keys)
+    scratch = dq_scratch(d, q.dtype, stages, keys, pingpong)
     if interpret is not None:  # dS staged for the interpreter's wgmma
         scratch += (plgpu.SMEM((*rows, keys), q.dtype, transforms=layout),)
     body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, regs=_regs(regs), keys=keys)
+                             interpret=interpret is not None, regs=_regs(regs), keys=keys,
+                             pingpong=pingpong)
 
     def entry(*refs):
         from jax.experimental import pallas as pl

@@ -1,6 +1,6 @@
 """``lab.mosaic_ops`` catches the Mosaic GPU kernels' per-thread modules on a CPU (jax ≥ 0.11): the
-stable shift's tie count is per-entry work, visible in the op counts; the dK/dV kernel's
-``mosaic_bwd_pingpong`` launch adds only its warpgroups' turns."""
+stable shift's tie count is per-entry work, visible in the op counts; the backward kernels'
+ping-pong launches add only their warpgroups' turns."""
 
 import re
 
@@ -42,7 +42,7 @@ def _bwd_module(d, pingpong=False, t=256, regs=None, kernel="dkdv", batch=1, hea
     cfg = mosaic_ops.numerics((batch, t, heads, d), True)
     q = jax.ShapeDtypeStruct((batch, t, heads, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((batch, heads, t), jnp.float32)
-    kw = {"regs": regs} | ({"pingpong": pingpong} if kernel == "dkdv" else {})
+    kw = {"regs": regs, "pingpong": pingpong}
     fn = bm.dkdv_mosaic if kernel == "dkdv" else bm.dq_mosaic
     f = jax.jit(lambda *a: fn(*a, cfg, out_dtype=jnp.bfloat16, **kw))
     with mosaic_ops.captured_modules() as seen:
@@ -51,16 +51,17 @@ def _bwd_module(d, pingpong=False, t=256, regs=None, kernel="dkdv", batch=1, hea
     return re.sub(r'dump_basename = "[^"]*"', "", seen[-1])
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_bwd_pingpong_only_adds_turns(d):
-    """``Launch.mosaic_bwd_pingpong`` lowers for CUDA and adds to the plain dK/dV kernel only its
-    turns: the same wgmma instructions, commit groups and waits; one barrier more, and an arrive and
-    a wait on it four times in each loop body (the causal kernel's two step bodies and its loop of
-    skipped blocks), once more before warpgroup 1's first block and after warpgroup 0's last."""
-    plain, ours = _bwd_module(d, False), _bwd_module(d, True)
+@pytest.mark.parametrize("kernel,d,per_tile", [("dkdv", 64, 4), ("dkdv", 128, 4), ("dq", 128, 2)])
+def test_bwd_pingpong_only_adds_turns(kernel, d, per_tile):
+    """``Launch.mosaic_bwd_pingpong`` (dK/dV) and ``mosaic_dq_pingpong`` lower for CUDA and add to
+    the plain kernel only their turns: the same wgmma instructions, commit groups and waits; one
+    barrier more, and an arrive and a wait on it ``per_tile`` times in each loop body (the causal
+    kernel's two step bodies and its loop of skipped tiles), once more before warpgroup 1's first
+    tile and after warpgroup 0's last."""
+    plain, ours = (_bwd_module(d, pp, kernel=kernel) for pp in (False, True))
     for instr in ("wgmma.mma_async", "wgmma.commit_group", "wgmma.wait_group"):
         assert ours.count(instr) == plain.count(instr) > 0, instr
-    turns = 4 * (BODIES + 1) + 2
+    turns = per_tile * (BODIES + 1) + 2
     for instr in ("mbarrier.arrive", "mbarrier.try_wait"):
         assert ours.count(instr) - plain.count(instr) == turns, instr
     assert ours.count("mbarrier.init") - plain.count("mbarrier.init") == 1
