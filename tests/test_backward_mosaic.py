@@ -169,7 +169,7 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, pingpong):
                        mosaic_bwd_regs=(240, 24), mosaic_dq_keys=128)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    # the dK/dV kernel (called first) takes its ping-pong flag; the dQ kernel its own and its key tile
+    # the dK/dV kernel (called first) takes its ping-pong flag, the dQ kernel its own and key tile
     assert [s[-2:] for s in seen] == [(pingpong, None), (not pingpong, 128)][:len(seen)]
     for args, got_cfg, out_dtype, stages, regs, *_ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):

@@ -15,9 +15,9 @@ head and streams the query blocks of its group's query heads one head after the 
 
 The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure: 128 query rows per program in two compute
 warpgroups, K and V tiles streamed by a producer warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ,
-dQ += bf16(dS)·K. Chosen by ``Launch.bwd_kernel``: "mosaic" (both kernels) or "mosaic_dkdv" (dQ stays
-Triton's); ``jax_flash.plan`` runs the Triton kernels instead where ``check`` says these do not cover
-the call, or raises if the caller asked for them.
+dQ += bf16(dS)·K. Chosen by ``Launch.bwd_kernel``: "mosaic" (both kernels) or "mosaic_dkdv" (dQ
+stays Triton's); ``jax_flash.plan`` runs the Triton kernels instead where ``check`` says these do
+not cover the call, or raises if the caller asked for them.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
@@ -105,8 +105,8 @@ def ds_tile(p_t, dp_t, delta_b):
 
 
 # ----------------------------------------------------------------------------------- the kernel
-def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *, cfg: Numerics,
-            nq: int, stages: int, interpret: bool, pingpong: bool = False,
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *,
+            cfg: Numerics, nq: int, stages: int, interpret: bool, pingpong: bool = False,
             regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
@@ -171,7 +171,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
 
-        def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: the ring's step
+        def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: ring step
             dk, dv = carry
             slot = lax.rem(base + b - p_lo, stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
