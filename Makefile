@@ -35,11 +35,12 @@ $(STAMP11):
 	touch $(STAMP11)
 
 # The Mosaic GPU kernels under jax 0.11.2: the whole kernel interpreted, races checked; and the
-# lab's op counter of the Mosaic forward (it lowers for CUDA on a CPU from jax 0.11 on)
+# lab's op counter of the Mosaic forward and its lowering comparison (the kernels lower for CUDA on
+# a CPU from jax 0.11 on)
 test-mosaic: $(STAMP11)
 	$(VENV11)/bin/python -m pytest -q -n 2 --dist worksteal \
 	  tests/test_forward_mosaic.py tests/test_backward_mosaic.py \
-	  lab/tests/test_mosaic_ops.py
+	  lab/tests/test_mosaic_ops.py lab/tests/test_same_lowering.py
 
 # Every test, slow ones included.
 test-all: $(STAMP)
