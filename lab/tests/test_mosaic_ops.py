@@ -5,8 +5,10 @@ ping-pong launches add only their warpgroups' turns."""
 import re
 
 import jax
-import jax.numpy as jnp
 import pytest
+
+import jax_flash
+from lab import same_lowering
 
 pytestmark = pytest.mark.skipif(jax.__version_info__ < (0, 11),
                                 reason="Mosaic GPU lowers for CUDA on a CPU from jax 0.11 on")
@@ -36,19 +38,8 @@ def test_tie_count_grows_with_the_key_tile():
 def _bwd_module(d, pingpong=False, t=256, regs=None, kernel="dkdv", batch=1, heads=2):
     """The causal dK/dV (or dQ) kernel's module at [batch, t, heads, d], without its per-process
     dump name."""
-    from jax_flash.pallas import backward_mosaic as bm
-    from lab import mosaic_ops
-
-    cfg = mosaic_ops.numerics((batch, t, heads, d), True)
-    q = jax.ShapeDtypeStruct((batch, t, heads, d), jnp.bfloat16)
-    rows = jax.ShapeDtypeStruct((batch, heads, t), jnp.float32)
-    kw = {"regs": regs, "pingpong": pingpong}
-    fn = bm.dkdv_mosaic if kernel == "dkdv" else bm.dq_mosaic
-    f = jax.jit(lambda *a: fn(*a, cfg, out_dtype=jnp.bfloat16, **kw))
-    with mosaic_ops.captured_modules() as seen:
-        jax.export.export(f, platforms=["cuda"])(q, q, q, q, rows, rows)
-    assert seen, "no Mosaic GPU module was serialized"
-    return re.sub(r'dump_basename = "[^"]*"', "", seen[-1])
+    return same_lowering.lowered(jax_flash, kernel, (batch, t, heads, d), True, regs=regs,
+                                 pingpong=pingpong)
 
 
 @pytest.mark.parametrize("kernel,d,per_tile", [("dkdv", 64, 4), ("dkdv", 128, 4), ("dq", 128, 2)])
@@ -91,18 +82,5 @@ def test_blocks_are_launched_fastest(kernel):
     """Each Mosaic GPU kernel launches its row or key blocks along x, the axis the GPU schedules
     fastest, then heads, then the batch: a head's programs run side by side and share its K and V
     (Q and dO) in L2. At [3, 512, 5, 128]: x = 4 blocks of 128, y = 5 heads, z = 3."""
-    from jax_flash.pallas import forward_mosaic
-    from lab import mosaic_ops
-
-    shape = (3, 512, 5, 128)
-    if kernel == "fwd":
-        cfg = mosaic_ops.numerics(shape, True)
-        sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-        f = jax.jit(lambda q, k, v: forward_mosaic.forward_mosaic(q, k, v, cfg,
-                                                                  o_dtype=jnp.bfloat16))
-        with mosaic_ops.captured_modules() as seen:
-            jax.export.export(f, platforms=["cuda"])(sds, sds, sds)
-        module = seen[-1]
-    else:
-        module = _bwd_module(128, t=shape[1], kernel=kernel, batch=shape[0], heads=shape[2])
+    module = same_lowering.lowered(jax_flash, kernel, (3, 512, 5, 128), True)
     assert [tuple(map(int, m)) for m in LAUNCH.findall(module)] == [(4, 5, 3)]
