@@ -154,16 +154,53 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     x = jnp.ones((1, 128, 1, 64), BF16)
     seen = []
 
-    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None):
-        seen.append((q, k, v, cfg, o_dtype, stages))
+    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None, programs=None):
+        seen.append((q, k, v, cfg, o_dtype, stages, programs))
         return jnp.full(q.shape, 3.0, o_dtype), jnp.zeros((1, 1, 128), jnp.float32)
 
     monkeypatch.setattr(fm, "forward_mosaic", fake)
+    monkeypatch.setattr(mosaic_common, "sm_count", lambda: 7)
     pf.forward(x, x, x, cfg, jf.Launch(), o_dtype=BF16)
     assert not seen
     o, _ = pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_stages=3), o_dtype=BF16)
-    assert len(seen) == 1 and all(a is x for a in seen[0][:3]) and seen[0][3:] == (cfg, BF16, 3)
+    assert len(seen) == 1 and all(a is x for a in seen[0][:3]) and seen[0][3:] == (cfg, BF16, 3, None)
     assert np.all(f64(o) == 3)
+    pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_persistent=True), o_dtype=BF16)
+    assert seen[1][5:] == (None, 7)  # a persistent program per SM
+
+
+@pytest.mark.parametrize("n_items, programs", [(12, 5), (12, 4), (7, 7), (3, 5), (4096, 132)])
+def test_persistent_loop_takes_every_item_once_a_wave_at_a_time(n_items, programs):
+    """``mosaic_common.persistent_loop``: over the programs, every item exactly once; the items of
+    wave w are w·P … w·P + P − 1 (what runs side by side is the grid's neighbours); program p
+    takes position p on even waves and P − 1 − p on odd ones."""
+
+    def program(_):
+        def body(item, c):
+            seen, wave, pos, w = c
+            return (seen.at[item].add(1), wave.at[item].set(w), pos.at[item].set(
+                jax.lax.axis_index("prog")), w + 1)
+
+        init = (jnp.zeros(n_items, jnp.int32), jnp.full(n_items, -1), jnp.full(n_items, -1),
+                jnp.int32(0))
+        return mosaic_common.persistent_loop(n_items, programs, body, init)[:3]
+
+    seen, wave, prog = jax.vmap(program, axis_name="prog")(jnp.arange(programs))
+    np.testing.assert_array_equal(np.asarray(seen).sum(0), np.ones(n_items))
+    item = np.arange(n_items)
+    wave, prog = np.asarray(wave).max(0), np.asarray(prog).max(0)
+    np.testing.assert_array_equal(wave, item // programs)
+    pos = item % programs
+    np.testing.assert_array_equal(prog, np.where(wave % 2 == 0, pos, programs - 1 - pos))
+
+
+def test_persistent_programs_are_at_most_the_items():
+    assert mosaic_common.persistent_programs(None, (2, 3, 4)) is None
+    assert mosaic_common.persistent_programs(132, (2, 3, 4)) == 24
+    assert mosaic_common.persistent_programs(5, (2, 3, 4)) == 5
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="programs must be a positive int"):
+            mosaic_common.persistent_programs(bad, (2, 3, 4))
 
 
 # ------------------------------------------------------------------------- interpreted kernel
@@ -172,13 +209,13 @@ needs_interpreter = pytest.mark.skipif(
     reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
 
 
-def _interpreted(q, k, v, cfg, stages=None):
+def _interpreted(q, k, v, cfg, stages=None, programs=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     # compiled once per test (the race detector runs inside it too)
     o, lse = jitted(fm.forward_mosaic, q, k, v, cfg=cfg, o_dtype=q.dtype, interpret=interpret_params(),
-                    stages=stages)
+                    stages=stages, programs=programs)
     jax.block_until_ready((o, lse))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return o, lse
@@ -322,6 +359,26 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     cfg = make_cfg(shape[1], shape[-1], causal=True, stable=True, block_k=64)
     base = _interpreted(q, k, v, cfg)
     chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, stages=2), base)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal, window, kv_heads", [
+    (True, None, 2), pytest.param(False, (100, 0), 1, marks=pytest.mark.slow)],
+    ids=["causal", "window-gqa"])
+def test_interpreted_persistent_programs_change_no_bit(rng, causal, window, kv_heads):
+    """``Launch.mosaic_fwd_persistent``: programs that take the (batch, head, query block) items in
+    turn, one K/V ring running on across them, give O and L equal to a program per item's bit for
+    bit, races checked: 1 program (every item in one ring), 5 (items left over on the last wave,
+    odd waves taken in reverse). An item that miscounts the ring's position hangs the
+    interpreter."""
+    shape = (2, 384, 2, 64)
+    q, k, v = tied_inputs(rng, shape, pairs=((3, 5), (130, 140)))
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+    cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=True, block_k=64)
+    cfg = dataclasses.replace(cfg, window=window, groups=shape[2] // kv_heads)
+    base = _interpreted(q, k, v, cfg)
+    for programs in (1, 5):
+        chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, programs=programs), base)
 
 
 def test_ring_that_cannot_fit_or_run_raises():

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from .. import tile
 from ..spec import Launch, Numerics
-from . import forward_mosaic
+from . import forward_mosaic, mosaic_common
 from .common import compiler_params, interpret_mode, kernel_body
 
 
@@ -126,8 +126,9 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None, pa
     ``packed``: q, k and v are one ``[B, T, 3, H, D]`` array (``groups`` 1, Triton kernel), read
     in place."""
     if launch.fwd_kernel == "mosaic" and not packed:  # the plan checked that it covers this call
+        programs = mosaic_common.sm_count() if launch.mosaic_fwd_persistent else None
         return forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=o_dtype,
-                                             stages=launch.mosaic_fwd_stages)
+                                             stages=launch.mosaic_fwd_stages, programs=programs)
     bsz, tq, h, d = unpacked_shape(q.shape) if packed else q.shape
     tk = k.shape[1]
     bq, bk, g = cfg.block_q, cfg.block_k, cfg.groups

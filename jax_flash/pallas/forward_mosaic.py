@@ -73,7 +73,7 @@ def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: int, stages: int,
-            interpret: bool):
+            interpret: bool, programs: int | None = None):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -81,26 +81,30 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
      *p_smem) = scratch
     p_smem = p_smem[0] if p_smem else None
     bk, d = cfg.block_k, q_ref.shape[-1]
+    bsz, t, h = q_ref.shape[:3]
     wg = lax.axis_index("wg")
-    batch, head = lax.axis_index("batch"), lax.axis_index("head")
-    # heaviest query blocks first when causal: the short ones then fill the last wave
-    blk = lax.axis_index("qblk")
-    if cfg.causal:
-        blk = q_ref.shape[1] // ROWS - 1 - blk
-    row0 = blk * ROWS
-    # the program streams the key tiles [p_lo, p_hi) its rows see (tile.kv_tile_bounds: the causal
-    # diagonal, a window's edges); a warpgroup skips those of them only the other one sees
-    p_lo, _, _, p_hi = tile.kv_tile_bounds(row0, ROWS, bk, nk, cfg)
-    program_steps = p_hi - p_lo
+
+    def item(batch, head, blk):
+        """A (batch, head, query block): its first row and the key tiles [p_lo, p_hi) its rows see
+        (tile.kv_tile_bounds: the causal diagonal, a window's edges), which the producer streams;
+        a warpgroup skips those of them only the other one sees."""
+        # heaviest query blocks first when causal: the short ones then fill the last wave
+        if cfg.causal:
+            blk = t // ROWS - 1 - blk
+        row0 = blk * ROWS
+        p_lo, _, _, p_hi = tile.kv_tile_bounds(row0, ROWS, bk, nk, cfg)
+        return batch, head, row0, p_lo, p_hi
+
+    items = mosaic_common.work_items(programs, (bsz, h, t // ROWS), ("batch", "head", "qblk"),
+                                     item, lambda it: it[4] - it[3])
 
     def take_turn():  # both compute warpgroups meet here; each call pairs with one of the other's
         if PINGPONG:
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+    def compute(it, base):
+        batch, head, row0, p_lo, p_hi = it
         qo = qo_smem.at[wg]
         rows = row0 + wg * ROWS_PER_WG
         # tiles [lo, hi) hold what the rows see, [full_lo, full_hi) need no mask
@@ -111,8 +115,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         # warpgroup 1 starts one turn behind, so that the two alternate from the first tile
         pl.when(wg == 1)(take_turn)
 
-        def step(j, carry, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
-            slot = lax.rem(j - p_lo, stages)
+        def step(j, carry, masked: bool):  # j: the key tile; base + j − p_lo: its place in the ring
+            slot = ring_slot(base, j - p_lo)
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc_ref):
@@ -156,7 +160,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         def skip(j, _):
             # tiles outside this warpgroup's rows' view that the other one needs: release them only
             # after they arrived, so that each release counts towards this tile's phase of the barrier
-            slot = lax.rem(j - p_lo, stages)
+            slot = ring_slot(base, j - p_lo)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             take_turn()
@@ -182,13 +186,37 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         # L straight from registers: 256 bytes a warpgroup, not worth the shared memory a TMA
         # store needs (1 KiB with alignment, the margin a third K/V stage needs at head_dim 128)
         lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)][...] = lse
-        plgpu.wait_smem_to_gmem(0)
+        # a persistent program's next item loads its Q into the same buffer: O read out suffices
+        plgpu.wait_smem_to_gmem(0, wait_read_only=programs is not None)
+
+    def ring_slot(base, j):  # the ring position of an item's j-th streamed tile
+        return lax.rem(j if programs is None else base + j, stages)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        items(compute)
+        if programs is not None:  # the last O written out, not only read
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
-        # GQA: the group's query heads read their key/value head, never a copy
-        produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                   (v_smem, v_ready, v_free), stages, program_steps, PRODUCER_REGS, first=p_lo)
+        def produce(it, base):
+            batch, head, _, p_lo, p_hi = it
+            # GQA: the group's query heads read their key/value head, never a copy
+            produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
+                       (v_smem, v_ready, v_free), stages, p_hi - p_lo,
+                       PRODUCER_REGS if programs is None else None, first=p_lo,
+                       base=None if programs is None else base)
+
+        if programs is None:
+            items(produce)
+        else:
+            plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+            total = items(produce)
+            mosaic_common.drain_ring([mosaic_common.Stream(None, None, None, k_free),
+                                      mosaic_common.Stream(None, None, None, v_free)],
+                                     stages, total)
 
 
 def forward_scratch(bk, d, dtype, stages):
@@ -208,11 +236,14 @@ def forward_scratch(bk, d, dtype, stages):
     )
 
 
-def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None):
+def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None,
+                   programs=None):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
     tests only). ``stages``: the depth of the K/V ring (``Launch.mosaic_fwd_stages``, ≥ 2; None:
-    ``STAGES``), which changes no value."""
+    ``STAGES``), which changes no value. ``programs``: None, a program per (batch, head, query
+    block); else that many persistent programs (``Launch.mosaic_persistent``: one per SM), each
+    taking work items in turn with one K/V ring across them — the same per-item arithmetic."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
                                and q.dtype == k.dtype == v.dtype):
@@ -231,7 +262,9 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     scratch = forward_scratch(bk, d, q.dtype, stages)
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
-    body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages, interpret=interpret is not None)
+    programs = mosaic_common.persistent_programs(programs, (bsz, h, t // ROWS))
+    body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages, interpret=interpret is not None,
+                             programs=programs)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,
@@ -251,8 +284,8 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
                   jax.ShapeDtypeStruct((bsz, h, t), jnp.float32)),
         # Mosaic GPU launches the last grid axis fastest: a head's query blocks run side by side
         # and read its K and V from L2, not each from DRAM
-        grid=(bsz, h, t // ROWS),
-        grid_names=("batch", "head", "qblk"),
+        grid=(bsz, h, t // ROWS) if programs is None else (programs,),
+        grid_names=("batch", "head", "qblk") if programs is None else ("prog",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name=f"jax_flash_fwd_mosaic_{cfg.policy.name}",  # profilers filter on "jax_flash"

@@ -138,9 +138,7 @@ def visit_tiles(step, skip, carry, program, bounds, *, masked_first: bool, maske
 def stream_ring(streams, stages: int, n):
     """The producer's side of a ring of ``stages`` slots: tiles j = 0 … n − 1 of every stream, in
     order, tile j into slot j % stages. The first ``stages`` tiles go out at once; tile j ≥ stages
-    waits, stream by stream, until the consumers released tile j − stages. At the end the last
-    releases are waited for too: nothing needs them on the GPU, but a barrier should end with every
-    phase observed (the interpreter checks it)."""
+    waits, stream by stream, until the consumers released tile j − stages; then ``drain_ring``."""
     from jax.experimental import pallas as pl
 
     mg = plgpu()
@@ -158,6 +156,14 @@ def stream_ring(streams, stages: int, n):
         issue(j, lax.rem(j, stages), True)
 
     lax.fori_loop(stages, n, refill, None)
+    drain_ring(streams, stages, n)
+
+
+def drain_ring(streams, stages: int, n):
+    """The producer's last waits on a ring that carried ``n`` tiles: the consumers' releases of the
+    last ``stages`` of them (nothing needs them on the GPU, but a barrier should end with every
+    phase observed: the interpreter checks it)."""
+    mg = plgpu()
 
     def drain(j, _):
         for s in streams:
@@ -167,25 +173,112 @@ def stream_ring(streams, stages: int, n):
     lax.fori_loop(jnp.maximum(n, stages), n + stages, drain, None)
 
 
+def stream_ring_on(streams, stages: int, n, base):
+    """``stream_ring`` for one work item of a persistent program, whose ring runs on from item to
+    item: the item's tiles j = 0 … n − 1 are the ring's tiles ``base + j`` (slot (base + j) %
+    stages), so the next item's loads start while the consumers finish this one. No drain: the
+    program calls ``drain_ring`` once, after its last item."""
+    from jax.experimental import pallas as pl
+
+    mg = plgpu()
+
+    def issue(j, _):
+        g = base + j
+        slot = lax.rem(g, stages)
+        for s in streams:
+            if s.free is not None:
+                pl.when(g >= stages)(lambda s=s: mg.barrier_wait(s.free.at[slot]))
+            mg.copy_gmem_to_smem(s.src(j), s.ring.at[slot], s.ready.at[slot])
+
+    lax.fori_loop(0, n, issue, None)
+
+
+def sm_count() -> int:
+    """The programs of a persistent Mosaic kernel: one per SM of the default device (132 on an H100
+    SXM or H200); 132 where the device does not say (the CPU interpreter)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def persistent_programs(programs, grid: tuple) -> int | None:
+    """A kernel's persistent programs, at most one per item of its ``grid``; None: the grid."""
+    if programs is None:
+        return None
+    if not (isinstance(programs, int) and not isinstance(programs, bool) and programs >= 1):
+        raise ValueError(f"programs must be a positive int, got {programs!r}")
+    return min(programs, math.prod(grid))
+
+
+def work_items(programs: int | None, grid: tuple, names: tuple, item, ring_steps):
+    """A kernel's walk over its work items, the same for the grid and for persistent programs.
+    ``item(*index)``: what a compute or producer warpgroup needs of the item at that grid index
+    (computed once, at the kernel's top, for the grid's own); ``ring_steps(item)``: the tiles it
+    streams. Returns ``run(body)``, which calls ``body(item, ring count before it)`` for each item of
+    the program and returns the ring count after the last (None for the grid's one item, at 0).
+    ``programs`` None: one item per program, grid ``grid`` with axes ``names``; else a
+    ``persistent_loop`` over the grid's items, in its order (the last axis fastest)."""
+    if programs is None:
+        only = item(*(lax.axis_index(n) for n in names))
+
+        def run(body):
+            body(only, 0)
+
+        return run
+
+    def run(body):
+        def visit(n, ring):
+            index = []
+            for size in reversed(grid[1:]):
+                index.append(lax.rem(n, size))
+                n = lax.div(n, size)
+            it = item(n, *reversed(index))
+            body(it, ring)
+            return ring + ring_steps(it)
+
+        return persistent_loop(math.prod(grid), programs, visit, jnp.int32(0))
+
+    return run
+
+
+def persistent_loop(n_items: int, programs: int, body, carry):
+    """A persistent program's walk over work items 0 … n_items − 1 (in the order of the
+    non-persistent grid), ``carry = body(item, carry)`` for each of its own: wave w gives the
+    programs items w·P … w·P + P − 1, program p taking position p on even waves and P − 1 − p on
+    odd ones, so that neighbouring items (one head's query or key blocks, which share their
+    K/V or Q/dO in L2) run at the same time and a program's heavy and light causal blocks even out.
+    ``lax.axis_index("prog")`` is p."""
+    p = lax.axis_index("prog")
+    full, rem = divmod(n_items, programs)
+    pos = lambda w: jnp.where(lax.rem(w, 2) == 0, p, programs - 1 - p)
+    last = p if full % 2 == 0 else programs - 1 - p  # the position on the partial wave
+    waves = full + (last < rem).astype(jnp.int32)
+    return lax.fori_loop(0, waves, lambda w, c: body(w * programs + pos(w), c), carry)
+
+
 def kv_shape(q_shape, groups: int) -> tuple:
     """K's and V's shape for queries ``[B, T, H, D]`` with ``groups`` query heads per key/value head."""
     b, t, h, d = q_shape
     return (b, t, h // groups, d)
 
 
-def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, n, regs: int,
-               first=0):
+def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, n, regs: int | None,
+               first=0, base=None):
     """The producer warpgroup of a kernel that walks key tiles (the forward, dQ): K and V tiles
     first … first + n − 1 of (batch, head), ``head`` a key/value head, ``bk`` keys each, through
     their rings (tile first + j into slot j % stages); ``k_ring``, ``v_ring``: (SMEM ring, ready
     barriers, free barriers). It keeps ``regs`` registers a thread, giving the rest to the compute
-    warpgroups."""
+    warpgroups (None: set already). ``base``: a persistent program's ring count before this work
+    item (``stream_ring_on``); None: the ring holds this item only."""
     from jax.experimental import pallas as pl
 
-    plgpu().set_max_registers(regs, action="decrease")
+    if regs is not None:
+        plgpu().set_max_registers(regs, action="decrease")
     keys = lambda j: (batch, pl.ds((first + j) * bk, bk), head)
-    stream_ring([Stream(lambda j: k_ref.at[keys(j)], *k_ring),
-                 Stream(lambda j: v_ref.at[keys(j)], *v_ring)], stages, n)
+    streams = [Stream(lambda j: k_ref.at[keys(j)], *k_ring),
+               Stream(lambda j: v_ref.at[keys(j)], *v_ring)]
+    if base is None:
+        stream_ring(streams, stages, n)
+    else:
+        stream_ring_on(streams, stages, n, base)
 
 
 def unsupported_masks(cfg) -> str | None:
