@@ -163,9 +163,11 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     pf.forward(x, x, x, cfg, jf.Launch(), o_dtype=BF16)
     assert not seen
     o, _ = pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_stages=3), o_dtype=BF16)
-    assert len(seen) == 1 and all(a is x for a in seen[0][:3]) and seen[0][3:] == (cfg, BF16, 3, None)
+    assert len(seen) == 1 and all(a is x for a in seen[0][:3])
+    assert seen[0][3:] == (cfg, BF16, 3, None)
     assert np.all(f64(o) == 3)
-    pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_persistent=True), o_dtype=BF16)
+    pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_persistent=True),
+               o_dtype=BF16)
     assert seen[1][5:] == (None, 7)  # a persistent program per SM
 
 

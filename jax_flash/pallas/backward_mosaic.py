@@ -603,7 +603,8 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the K/V ring of 64-key tiles; 128-key
     tiles take ``DQ128_STAGES``; ``pingpong``: ``Launch.mosaic_dq_pingpong``, the warpgroups taking
     turns, S's and dP's products issued together: the same operations, the same values;
-    ``programs``: persistent programs over the (batch, head, query block) items, K/V ring across)."""
+    ``programs``: persistent programs over the (batch, head, query block) items, one K/V ring
+    across them)."""
     _require_covered("dQ", cfg, q, k, v, do, out_dtype)
     keys = keys or DQ_KEY_TILE
     if keys not in DQ_KEY_TILES:

@@ -263,8 +263,8 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
     programs = mosaic_common.persistent_programs(programs, (bsz, h, t // ROWS))
-    body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages, interpret=interpret is not None,
-                             programs=programs)
+    body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages,
+                             interpret=interpret is not None, programs=programs)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,

@@ -212,8 +212,8 @@ def work_items(programs: int | None, grid: tuple, names: tuple, item, ring_steps
     """A kernel's walk over its work items, the same for the grid and for persistent programs.
     ``item(*index)``: what a compute or producer warpgroup needs of the item at that grid index
     (computed once, at the kernel's top, for the grid's own); ``ring_steps(item)``: the tiles it
-    streams. Returns ``run(body)``, which calls ``body(item, ring count before it)`` for each item of
-    the program and returns the ring count after the last (None for the grid's one item, at 0).
+    streams. Returns ``run(body)``, which calls ``body(item, ring count before it)`` for each item
+    of the program and returns the ring count after the last (None for the grid's one item, at 0).
     ``programs`` None: one item per program, grid ``grid`` with axes ``names``; else a
     ``persistent_loop`` over the grid's items, in its order (the last axis fastest)."""
     if programs is None:
