@@ -578,17 +578,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         if programs is not None:  # the last dQ written out, not only read
             plgpu.wait_smem_to_gmem(0)
 
+    def produce(it, ring):
+        batch, head, _, p_lo, p_hi = it
+        produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
+                   (v_smem, v_ready, v_free), stages, p_hi - p_lo, first=p_lo,
+                   base=None if programs is None else ring)
+
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
-        def produce(it, ring):
-            batch, head, _, p_lo, p_hi = it
-            produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                       (v_smem, v_ready, v_free), stages, p_hi - p_lo,
-                       regs[1] if programs is None else None, first=p_lo,
-                       base=None if programs is None else ring)
-
-        if programs is not None:
-            plgpu.set_max_registers(regs[1], action="decrease")
+        plgpu.set_max_registers(regs[1], action="decrease")
         total = items(produce)
         if programs is not None:
             drain_ring([Stream(None, None, None, k_free), Stream(None, None, None, v_free)],

@@ -199,21 +199,18 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         if programs is not None:  # the last O written out, not only read
             plgpu.wait_smem_to_gmem(0)
 
+    def produce(it, base):
+        batch, head, _, p_lo, p_hi = it
+        # GQA: the group's query heads read their key/value head, never a copy
+        produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
+                   (v_smem, v_ready, v_free), stages, p_hi - p_lo, first=p_lo,
+                   base=None if programs is None else base)
+
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
-        def produce(it, base):
-            batch, head, _, p_lo, p_hi = it
-            # GQA: the group's query heads read their key/value head, never a copy
-            produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                       (v_smem, v_ready, v_free), stages, p_hi - p_lo,
-                       PRODUCER_REGS if programs is None else None, first=p_lo,
-                       base=None if programs is None else base)
-
-        if programs is None:
-            items(produce)
-        else:
-            plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-            total = items(produce)
+        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+        total = items(produce)
+        if programs is not None:
             mosaic_common.drain_ring([mosaic_common.Stream(None, None, None, k_free),
                                       mosaic_common.Stream(None, None, None, v_free)],
                                      stages, total)
@@ -242,8 +239,8 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
     tests only). ``stages``: the depth of the K/V ring (``Launch.mosaic_fwd_stages``, ≥ 2; None:
     ``STAGES``), which changes no value. ``programs``: None, a program per (batch, head, query
-    block); else that many persistent programs (``Launch.mosaic_persistent``: one per SM), each
-    taking work items in turn with one K/V ring across them — the same per-item arithmetic."""
+    block); else that many persistent programs (``Launch.mosaic_fwd_persistent``: one per SM),
+    each taking those items in turn with one K/V ring across them: the same per-item arithmetic."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
                                and q.dtype == k.dtype == v.dtype):

@@ -260,18 +260,15 @@ def kv_shape(q_shape, groups: int) -> tuple:
     return (b, t, h // groups, d)
 
 
-def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, n, regs: int | None,
-               first=0, base=None):
+def produce_kv(k_ref, v_ref, batch, head, bk: int, k_ring, v_ring, stages: int, n, first=0,
+               base=None):
     """The producer warpgroup of a kernel that walks key tiles (the forward, dQ): K and V tiles
     first … first + n − 1 of (batch, head), ``head`` a key/value head, ``bk`` keys each, through
     their rings (tile first + j into slot j % stages); ``k_ring``, ``v_ring``: (SMEM ring, ready
-    barriers, free barriers). It keeps ``regs`` registers a thread, giving the rest to the compute
-    warpgroups (None: set already). ``base``: a persistent program's ring count before this work
-    item (``stream_ring_on``); None: the ring holds this item only."""
+    barriers, free barriers). ``base``: a persistent program's ring count before this work item
+    (``stream_ring_on``); None: the ring holds this item only."""
     from jax.experimental import pallas as pl
 
-    if regs is not None:
-        plgpu().set_max_registers(regs, action="decrease")
     keys = lambda j: (batch, pl.ds((first + j) * bk, bk), head)
     streams = [Stream(lambda j: k_ref.at[keys(j)], *k_ring),
                Stream(lambda j: v_ref.at[keys(j)], *v_ring)]
