@@ -268,6 +268,16 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     chex.assert_trees_all_equal(_interpreted(q, k, v, do, lse, dlt, cfg, stages=1), base)
 
 
+def _gqa_inputs(rng, cfg, batch, kv_heads, t=256):
+    """Q, K, V, dO at [batch, t, 2 heads, 64] (K, V with ``kv_heads``), and the jnp forward's L
+    and δ under ``cfg``."""
+    q, do = (jnp.asarray(rng.standard_normal((batch, t, 2, 64)), BF16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((batch, t, kv_heads, 64)), BF16) for _ in range(2))
+    o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
+    dlt = jitted(jnp_impl.delta, q, k, v, jnp.asarray(o).astype(BF16), do, lse, cfg=cfg)
+    return q, k, v, do, lse, dlt
+
+
 @needs_interpreter
 @pytest.mark.parametrize("causal,window,kv_heads,n,dq_keys", [
     (True, None, 1, 256, None), pytest.param(False, None, 2, 256, None, marks=pytest.mark.slow),
@@ -280,12 +290,8 @@ def test_interpreted_pingpong_changes_no_bit(rng, causal, window, kv_heads, n, d
     dQ, dK and dV equal the default schedule's bit for bit, races checked, causal or not, with a
     window and GQA (the dK/dV kernel's turns go on across a group's query heads), and at a padded
     length (tiles one warpgroup skips while the other computes)."""
-    t, g = 256, 2 // kv_heads
-    cfg = dataclasses.replace(make_cfg(n, 64, causal=causal), window=window, groups=g)
-    q, do = (jnp.asarray(rng.standard_normal((1, t, 2, 64)), BF16) for _ in range(2))
-    k, v = (jnp.asarray(rng.standard_normal((1, t, kv_heads, 64)), BF16) for _ in range(2))
-    o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
-    dlt = jitted(jnp_impl.delta, q, k, v, jnp.asarray(o).astype(BF16), do, lse, cfg=cfg)
+    cfg = dataclasses.replace(make_cfg(n, 64, causal=causal), window=window, groups=2 // kv_heads)
+    q, k, v, do, lse, dlt = _gqa_inputs(rng, cfg, 1, kv_heads)
     base = _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys)
     chex.assert_trees_all_equal(
         _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys, pingpong=True), base)
@@ -305,12 +311,9 @@ def test_interpreted_persistent_programs_change_no_bit(rng, causal, window, kv_h
     in reverse); with a window, GQA (a group's query heads in one item's ring) and ping-pong. Rings
     of 3 slots, which items of 2 and 4 steps leave at every offset: an item that miscounts the
     ring's position takes the wrong slot."""
-    t, g = 256, 2 // kv_heads
-    cfg = dataclasses.replace(make_cfg(t, 64, causal=causal), window=window, groups=g)
-    q, do = (jnp.asarray(rng.standard_normal((2, t, 2, 64)), BF16) for _ in range(2))
-    k, v = (jnp.asarray(rng.standard_normal((2, t, kv_heads, 64)), BF16) for _ in range(2))
-    o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
-    dlt = jitted(jnp_impl.delta, q, k, v, jnp.asarray(o).astype(BF16), do, lse, cfg=cfg)
+    cfg = dataclasses.replace(make_cfg(256, 64, causal=causal), window=window,
+                              groups=2 // kv_heads)
+    q, k, v, do, lse, dlt = _gqa_inputs(rng, cfg, 2, kv_heads)
     kw = dict(dq_keys=dq_keys, pingpong=pingpong, stages=3)
     base = _interpreted(q, k, v, do, lse, dlt, cfg, **kw)
     for programs in (1, 3) if window is None else (3,):

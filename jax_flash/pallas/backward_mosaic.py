@@ -35,8 +35,7 @@ from .. import tile
 from ..rounding import cast_rounded, native_casts
 from ..spec import Numerics, check_mosaic_regs
 from . import mosaic_common
-from .mosaic_common import (Stream, drain_ring, produce_kv, stream_ring, stream_ring_on,
-                            unsupported_masks)
+from .mosaic_common import Stream, drain_ring, stream_ring, stream_ring_on, unsupported_masks
 from .mosaic_common import exp2_backend as _exp2
 
 KEYS_PER_WG = 64  # wgmma's M: the keys of one compute warpgroup
@@ -274,12 +273,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
         # a persistent program's next item loads its K, V into these buffers: read out suffices
         plgpu.wait_smem_to_gmem(0, wait_read_only=programs is not None)
 
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-        plgpu.set_max_registers(regs[0], action="increase")
-        items(compute)
-        if programs is not None:  # the last dK, dV written out, not only read
-            plgpu.wait_smem_to_gmem(0)
+    pl.when(wg < COMPUTE_WGS)(
+        lambda: mosaic_common.run_consumer(items, compute, regs[0], programs is not None))
 
     def produce(it, ring):
         batch, head, key0, p_lo, p_hi, n_steps = it
@@ -448,19 +443,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     staging = rest
     rq, bk, d = KEYS_PER_WG, keys, q_ref.shape[-1]
     wg = lax.axis_index("wg")
-    bsz, t, h = q_ref.shape[:3]
-
-    def item(batch, head, blk):
-        """A (batch, head, query block): its first row and the key tiles [p_lo, p_hi) its rows see
-        (tile.kv_tile_bounds), which the producer streams."""
-        if cfg.causal:  # heaviest query blocks first: the short ones then fill the last wave
-            blk = t // KEYS - 1 - blk
-        row0 = blk * KEYS
-        p_lo, _, _, p_hi = tile.kv_tile_bounds(row0, KEYS, bk, nk, cfg)
-        return batch, head, row0, p_lo, p_hi
-
-    items = mosaic_common.work_items(programs, (bsz, h, t // KEYS), ("batch", "head", "qblk"),
-                                     item, lambda it: it[4] - it[3])
+    items = mosaic_common.query_block_items(programs, q_ref.shape, KEYS, bk, nk, cfg)
 
     def row_vector(ref):  # L or δ of the warpgroup's rows, broadcast along the keys: [rq, bk]
         vec = ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
@@ -571,26 +554,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         # a persistent program's next item loads its Q into this buffer: read out suffices
         plgpu.wait_smem_to_gmem(0, wait_read_only=programs is not None)
 
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-        plgpu.set_max_registers(regs[0], action="increase")
-        items(compute)
-        if programs is not None:  # the last dQ written out, not only read
-            plgpu.wait_smem_to_gmem(0)
-
-    def produce(it, ring):
-        batch, head, _, p_lo, p_hi = it
-        produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                   (v_smem, v_ready, v_free), stages, p_hi - p_lo, first=p_lo,
-                   base=None if programs is None else ring)
-
-    @pl.when(wg == COMPUTE_WGS)
-    def _produce():
-        plgpu.set_max_registers(regs[1], action="decrease")
-        total = items(produce)
-        if programs is not None:
-            drain_ring([Stream(None, None, None, k_free), Stream(None, None, None, v_free)],
-                       stages, total)
+    persistent = programs is not None
+    pl.when(wg < COMPUTE_WGS)(
+        lambda: mosaic_common.run_consumer(items, compute, regs[0], persistent))
+    pl.when(wg == COMPUTE_WGS)(lambda: mosaic_common.run_kv_producer(
+        items, k_ref, v_ref, cfg.groups, bk, (k_smem, k_ready, k_free), (v_smem, v_ready, v_free),
+        stages, regs[1], persistent))
 
 
 def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,

@@ -28,7 +28,7 @@ from .. import tile
 from ..rounding import native_casts
 from ..spec import Numerics
 from . import mosaic_common
-from .mosaic_common import exp2_backend as _exp2, produce_kv, unsupported_masks
+from .mosaic_common import exp2_backend as _exp2, unsupported_masks
 
 ROWS_PER_WG = 64  # wgmma's M: the query rows of one compute warpgroup
 COMPUTE_WGS = 2
@@ -81,22 +81,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
      *p_smem) = scratch
     p_smem = p_smem[0] if p_smem else None
     bk, d = cfg.block_k, q_ref.shape[-1]
-    bsz, t, h = q_ref.shape[:3]
     wg = lax.axis_index("wg")
-
-    def item(batch, head, blk):
-        """A (batch, head, query block): its first row and the key tiles [p_lo, p_hi) its rows see
-        (tile.kv_tile_bounds: the causal diagonal, a window's edges), which the producer streams;
-        a warpgroup skips those of them only the other one sees."""
-        # heaviest query blocks first when causal: the short ones then fill the last wave
-        if cfg.causal:
-            blk = t // ROWS - 1 - blk
-        row0 = blk * ROWS
-        p_lo, _, _, p_hi = tile.kv_tile_bounds(row0, ROWS, bk, nk, cfg)
-        return batch, head, row0, p_lo, p_hi
-
-    items = mosaic_common.work_items(programs, (bsz, h, t // ROWS), ("batch", "head", "qblk"),
-                                     item, lambda it: it[4] - it[3])
+    # a warpgroup skips the streamed tiles only the other one's rows see
+    items = mosaic_common.query_block_items(programs, q_ref.shape, ROWS, bk, nk, cfg)
 
     def take_turn():  # both compute warpgroups meet here; each call pairs with one of the other's
         if PINGPONG:
@@ -192,28 +179,12 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
     def ring_slot(base, j):  # the ring position of an item's j-th streamed tile
         return lax.rem(j if programs is None else base + j, stages)
 
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
-        items(compute)
-        if programs is not None:  # the last O written out, not only read
-            plgpu.wait_smem_to_gmem(0)
-
-    def produce(it, base):
-        batch, head, _, p_lo, p_hi = it
-        # GQA: the group's query heads read their key/value head, never a copy
-        produce_kv(k_ref, v_ref, batch, head // cfg.groups, bk, (k_smem, k_ready, k_free),
-                   (v_smem, v_ready, v_free), stages, p_hi - p_lo, first=p_lo,
-                   base=None if programs is None else base)
-
-    @pl.when(wg == COMPUTE_WGS)
-    def _produce():
-        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-        total = items(produce)
-        if programs is not None:
-            mosaic_common.drain_ring([mosaic_common.Stream(None, None, None, k_free),
-                                      mosaic_common.Stream(None, None, None, v_free)],
-                                     stages, total)
+    persistent = programs is not None
+    pl.when(wg < COMPUTE_WGS)(
+        lambda: mosaic_common.run_consumer(items, compute, COMPUTE_REGS, persistent))
+    pl.when(wg == COMPUTE_WGS)(lambda: mosaic_common.run_kv_producer(
+        items, k_ref, v_ref, cfg.groups, bk, (k_smem, k_ready, k_free), (v_smem, v_ready, v_free),
+        stages, PRODUCER_REGS, persistent))
 
 
 def forward_scratch(bk, d, dtype, stages):

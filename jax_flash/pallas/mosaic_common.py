@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import tile
+
 TESTED_JAX = "0.11."  # the plgpu API the kernels are written against (GPU tests: jax 0.11.2)
 
 
@@ -239,6 +241,25 @@ def work_items(programs: int | None, grid: tuple, names: tuple, item, ring_steps
     return run
 
 
+def query_block_items(programs: int | None, q_shape, rows: int, bk: int, nk: int, cfg):
+    """``work_items`` of a kernel whose items are (batch, head, block of ``rows`` queries) and
+    which streams key tiles of ``bk`` (the forward, dQ): each item as (batch, head, first row,
+    p_lo, p_hi), [p_lo, p_hi) the key tiles its rows see (``tile.kv_tile_bounds``: the causal
+    diagonal, a window's edges), which the producer streams. Causal, the heaviest query blocks come
+    first: the short ones then fill the last wave."""
+    bsz, t, h = q_shape[:3]
+
+    def item(batch, head, blk):
+        if cfg.causal:
+            blk = t // rows - 1 - blk
+        row0 = blk * rows
+        p_lo, _, _, p_hi = tile.kv_tile_bounds(row0, rows, bk, nk, cfg)
+        return batch, head, row0, p_lo, p_hi
+
+    return work_items(programs, (bsz, h, t // rows), ("batch", "head", "qblk"), item,
+                      lambda it: it[4] - it[3])
+
+
 def persistent_loop(n_items: int, programs: int, body, carry):
     """A persistent program's walk over work items 0 … n_items − 1 (in the order of the
     non-persistent grid), ``carry = body(item, carry)`` for each of its own: wave w gives the
@@ -252,6 +273,36 @@ def persistent_loop(n_items: int, programs: int, body, carry):
     last = p if full % 2 == 0 else programs - 1 - p  # the position on the partial wave
     waves = full + (last < rem).astype(jnp.int32)
     return lax.fori_loop(0, waves, lambda w, c: body(w * programs + pos(w), c), carry)
+
+
+def run_consumer(items, compute, regs: int, persistent: bool):
+    """A compute warpgroup's part: ``regs`` registers a thread, then ``compute`` over its items.
+    In a persistent program each item waits for its output's store only until the buffer is read
+    (the next item refills it), and the program at its end until the last store is written."""
+    mg = plgpu()
+    mg.set_max_registers(regs, action="increase")
+    items(compute)
+    if persistent:
+        mg.wait_smem_to_gmem(0)
+
+
+def run_kv_producer(items, k_ref, v_ref, groups: int, bk: int, k_ring, v_ring, stages: int,
+                    regs: int, persistent: bool):
+    """The producer warpgroup of a kernel that walks key tiles (the forward, dQ): ``regs``
+    registers a thread, then for each item ``(batch, head, row0, p_lo, p_hi)`` its K and V tiles
+    [p_lo, p_hi) of (batch, head // groups) — GQA: the group's query heads read their key/value
+    head, never a copy — through rings that run on across a persistent program's items."""
+    plgpu().set_max_registers(regs, action="decrease")
+
+    def produce(it, ring):
+        batch, head, _, p_lo, p_hi = it
+        produce_kv(k_ref, v_ref, batch, head // groups, bk, k_ring, v_ring, stages, p_hi - p_lo,
+                   first=p_lo, base=ring if persistent else None)
+
+    total = items(produce)
+    if persistent:
+        drain_ring([Stream(None, None, None, k_ring[2]), Stream(None, None, None, v_ring[2])],
+                   stages, total)
 
 
 def kv_shape(q_shape, groups: int) -> tuple:
