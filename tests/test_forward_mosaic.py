@@ -369,10 +369,12 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     ids=["causal", "window-gqa"])
 def test_interpreted_persistent_programs_change_no_bit(rng, causal, window, kv_heads):
     """``Launch.mosaic_fwd_persistent``: programs that take the (batch, head, query block) items in
-    turn, one K/V ring running on across them, give O and L equal to a program per item's bit for
-    bit, races checked: 1 program (every item in one ring), 5 (items left over on the last wave,
-    odd waves taken in reverse). An item that miscounts the ring's position hangs the
-    interpreter."""
+    turn, one K/V ring running on across them and two Q/O buffers a warpgroup (the producer loads
+    the next item's Q), give O and L equal to a program per item's bit for bit, races checked: 1
+    program (every item in one ring), 5 (items left over on the last wave, odd waves taken in
+    reverse). An item that miscounts the ring's position hangs the interpreter; a Q load that does
+    not wait for its buffer, or a program that leaves the last buffers' releases unobserved, fails
+    it."""
     shape = (2, 384, 2, 64)
     q, k, v = tied_inputs(rng, shape, pairs=((3, 5), (130, 140)))
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]

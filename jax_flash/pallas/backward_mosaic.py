@@ -143,7 +143,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             vec = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(vec, (bk, bq), [1])
 
-    def compute(it, ring):
+    def compute(it, ring, _):
         batch, head, key0, p_lo, p_hi, n_steps = it
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         keys = key0 + wg * bk
@@ -276,7 +276,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
     pl.when(wg < COMPUTE_WGS)(
         lambda: mosaic_common.run_consumer(items, compute, regs[0], programs is not None))
 
-    def produce(it, ring):
+    def produce(it, ring, _):
         batch, head, key0, p_lo, p_hi, n_steps = it
         if g == 1:
             rows = lambda s: pl.ds((p_lo + s) * bq, bq)
@@ -297,9 +297,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
     @pl.when(wg == COMPUTE_WGS)
     def _produce():
         plgpu.set_max_registers(regs[1], action="decrease")
-        total = items(produce)
+        counts = items(produce)
         if programs is not None:
-            drain_ring([Stream(None, None, None, free)], stages, total)
+            drain_ring([Stream(None, None, None, free)], stages, counts[0])
 
 
 def _regs(regs) -> tuple[int, int]:
@@ -452,7 +452,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     def ring_slot(ring, j):  # the ring position of an item's j-th streamed tile
         return lax.rem(j if programs is None else ring + j, stages)
 
-    def compute(it, ring):
+    def compute(it, ring, _):
         batch, head, row0, p_lo, p_hi = it
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         rows = row0 + wg * rq

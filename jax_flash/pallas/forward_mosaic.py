@@ -77,9 +77,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
-    (qo_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
-     *p_smem) = scratch
-    p_smem = p_smem[0] if p_smem else None
+    (qo_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, *rest) = scratch
+    persistent = programs is not None
+    q_free = rest.pop(0) if persistent else None
+    p_smem = rest[0] if rest else None
     bk, d = cfg.block_k, q_ref.shape[-1]
     wg = lax.axis_index("wg")
     # a warpgroup skips the streamed tiles only the other one's rows see
@@ -90,15 +91,22 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-    def compute(it, base):
+    def q_buffer(n, g):
+        """Warpgroup g's Q (then O) buffer for the program's n-th item: its own, or (persistent)
+        one of two it alternates between, so that the producer loads the next item's Q early."""
+        return g if not persistent else lax.rem(n, 2) * COMPUTE_WGS + g
+
+    def compute(it, base, n):
         batch, head, row0, p_lo, p_hi = it
-        qo = qo_smem.at[wg]
+        buf = q_buffer(n, wg)
+        qo = qo_smem.at[buf]
         rows = row0 + wg * ROWS_PER_WG
         # tiles [lo, hi) hold what the rows see, [full_lo, full_hi) need no mask
         lo, full_lo, full_hi, hi = tile.kv_tile_bounds(rows, ROWS_PER_WG, bk, nk, cfg)
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head], qo,
-                                q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
+        if not persistent:
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head], qo,
+                                    q_ready.at[buf])
+        plgpu.barrier_wait(q_ready.at[buf])
         # warpgroup 1 starts one turn behind, so that the two alternate from the first tile
         pl.when(wg == 1)(take_turn)
 
@@ -173,34 +181,55 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         # L straight from registers: 256 bytes a warpgroup, not worth the shared memory a TMA
         # store needs (1 KiB with alignment, the margin a third K/V stage needs at head_dim 128)
         lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)][...] = lse
-        # a persistent program's next item loads its Q into the same buffer: O read out suffices
-        plgpu.wait_smem_to_gmem(0, wait_read_only=programs is not None)
+        # persistent: once O is read out, the producer may load an item's Q into the buffer
+        plgpu.wait_smem_to_gmem(0, wait_read_only=persistent)
+        if persistent:
+            plgpu.barrier_arrive(q_free.at[buf])
 
     def ring_slot(base, j):  # the ring position of an item's j-th streamed tile
         return lax.rem(j if programs is None else base + j, stages)
 
-    persistent = programs is not None
+    def load_q(it, n):
+        """Persistent: the producer loads item n's Q for both warpgroups, into buffers whose item
+        n − 2 is read out, so it arrives while the warpgroups still work on item n − 1."""
+        batch, head, row0, _, _ = it
+        for g in range(COMPUTE_WGS):
+            buf = q_buffer(n, g)
+            pl.when(n >= 2)(lambda buf=buf: plgpu.barrier_wait(q_free.at[buf]))
+            rows = pl.ds(row0 + g * ROWS_PER_WG, ROWS_PER_WG)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], qo_smem.at[buf], q_ready.at[buf])
+
+    def last_q_waits(count):  # the releases of the last two items' buffers, never waited for else
+        for back in (2, 1):
+            for g in range(COMPUTE_WGS):
+                pl.when(count >= back)(
+                    lambda back=back, g=g: plgpu.barrier_wait(q_free.at[q_buffer(count - back, g)]))
+
     pl.when(wg < COMPUTE_WGS)(
         lambda: mosaic_common.run_consumer(items, compute, COMPUTE_REGS, persistent))
     pl.when(wg == COMPUTE_WGS)(lambda: mosaic_common.run_kv_producer(
         items, k_ref, v_ref, cfg.groups, bk, (k_smem, k_ready, k_free), (v_smem, v_ready, v_free),
-        stages, PRODUCER_REGS, persistent))
+        stages, PRODUCER_REGS, persistent, before=load_q if persistent else None,
+        after=last_q_waits))
 
 
-def forward_scratch(bk, d, dtype, stages):
-    """The forward's compiled shared-memory scratch: a K/V ring of ``stages`` tiles of ``bk`` keys."""
+def forward_scratch(bk, d, dtype, stages, persistent=False):
+    """The forward's compiled shared-memory scratch: a K/V ring of ``stages`` tiles of ``bk`` keys;
+    ``persistent``: two Q/O buffers a warpgroup, and barriers saying when each is free."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
+    bufs = COMPUTE_WGS * (2 if persistent else 1)
     return (
-        plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), dtype, transforms=layout),  # Q, then O
+        plgpu.SMEM((bufs, ROWS_PER_WG, d), dtype, transforms=layout),  # Q, then O
         plgpu.SMEM((stages, bk, d), dtype, transforms=layout),
         plgpu.SMEM((stages, bk, d), dtype, transforms=layout),
-        plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q arrived, per warpgroup
+        plgpu.Barrier(num_barriers=bufs),  # Q arrived, per buffer
         plgpu.Barrier(num_barriers=stages),  # K_j arrived
         plgpu.Barrier(num_barriers=stages),  # V_j arrived
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the ping-pong turn
+        *((plgpu.Barrier(num_barriers=bufs),) if persistent else ()),  # a Q/O buffer read out
     )
 
 
@@ -225,12 +254,13 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     if nk < 2:
         raise ValueError(f"the Mosaic GPU forward needs ≥ 2 key tiles, got {nk}")
     layout = mosaic_common.swizzled()
-    stages = mosaic_common.ring_stages(lambda n: forward_scratch(bk, d, q.dtype, n), stages,
-                                       STAGES[bk], nk, "forward", least=2)
-    scratch = forward_scratch(bk, d, q.dtype, stages)
+    programs = mosaic_common.persistent_programs(programs, (bsz, h, t // ROWS))
+    persistent = programs is not None
+    stages = mosaic_common.ring_stages(lambda n: forward_scratch(bk, d, q.dtype, n, persistent),
+                                       stages, STAGES[bk], nk, "forward", least=2)
+    scratch = forward_scratch(bk, d, q.dtype, stages, persistent)
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
-    programs = mosaic_common.persistent_programs(programs, (bsz, h, t // ROWS))
     body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages,
                              interpret=interpret is not None, programs=programs)
 

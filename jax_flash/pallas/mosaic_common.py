@@ -214,29 +214,31 @@ def work_items(programs: int | None, grid: tuple, names: tuple, item, ring_steps
     """A kernel's walk over its work items, the same for the grid and for persistent programs.
     ``item(*index)``: what a compute or producer warpgroup needs of the item at that grid index
     (computed once, at the kernel's top, for the grid's own); ``ring_steps(item)``: the tiles it
-    streams. Returns ``run(body)``, which calls ``body(item, ring count before it)`` for each item
-    of the program and returns the ring count after the last (None for the grid's one item, at 0).
+    streams. Returns ``run(body)``, which calls ``body(item, ring, n)`` for each item of the
+    program, ``ring`` the ring count before it and ``n`` the program's items before it, and returns
+    both counts after the last (None for the grid's one item, at 0, 0).
     ``programs`` None: one item per program, grid ``grid`` with axes ``names``; else a
     ``persistent_loop`` over the grid's items, in its order (the last axis fastest)."""
     if programs is None:
         only = item(*(lax.axis_index(n) for n in names))
 
         def run(body):
-            body(only, 0)
+            body(only, 0, 0)
 
         return run
 
     def run(body):
-        def visit(n, ring):
-            index = []
+        def visit(index, counts):
+            ring, n = counts
+            place = []
             for size in reversed(grid[1:]):
-                index.append(lax.rem(n, size))
-                n = lax.div(n, size)
-            it = item(n, *reversed(index))
-            body(it, ring)
-            return ring + ring_steps(it)
+                place.append(lax.rem(index, size))
+                index = lax.div(index, size)
+            it = item(index, *reversed(place))
+            body(it, ring, n)
+            return ring + ring_steps(it), n + 1
 
-        return persistent_loop(math.prod(grid), programs, visit, jnp.int32(0))
+        return persistent_loop(math.prod(grid), programs, visit, (jnp.int32(0), jnp.int32(0)))
 
     return run
 
@@ -287,22 +289,28 @@ def run_consumer(items, compute, regs: int, persistent: bool):
 
 
 def run_kv_producer(items, k_ref, v_ref, groups: int, bk: int, k_ring, v_ring, stages: int,
-                    regs: int, persistent: bool):
+                    regs: int, persistent: bool, before=None, after=None):
     """The producer warpgroup of a kernel that walks key tiles (the forward, dQ): ``regs``
     registers a thread, then for each item ``(batch, head, row0, p_lo, p_hi)`` its K and V tiles
     [p_lo, p_hi) of (batch, head // groups) — GQA: the group's query heads read their key/value
-    head, never a copy — through rings that run on across a persistent program's items."""
+    head, never a copy — through rings that run on across a persistent program's items.
+    ``before(item, n)``: what else the producer loads for the program's n-th item, first;
+    ``after(count)``: its last waits, after the program's ``count`` items (persistent only)."""
     plgpu().set_max_registers(regs, action="decrease")
 
-    def produce(it, ring):
+    def produce(it, ring, n):
         batch, head, _, p_lo, p_hi = it
+        if before is not None:
+            before(it, n)
         produce_kv(k_ref, v_ref, batch, head // groups, bk, k_ring, v_ring, stages, p_hi - p_lo,
                    first=p_lo, base=ring if persistent else None)
 
-    total = items(produce)
+    counts = items(produce)
     if persistent:
         drain_ring([Stream(None, None, None, k_ring[2]), Stream(None, None, None, v_ring[2])],
-                   stages, total)
+                   stages, counts[0])
+        if after is not None:
+            after(counts[1])
 
 
 def kv_shape(q_shape, groups: int) -> tuple:
