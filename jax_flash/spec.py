@@ -161,9 +161,6 @@ class Launch:
     # Mosaic forward: one program per SM, each taking (batch, head, query block) items in turn with
     # one K/V ring across them, so the next item's loads overlap this one's end. Only the schedule.
     mosaic_fwd_persistent: bool = False
-    # Mosaic dK/dV and dQ kernels: the same, with their own items (key blocks; query blocks) and
-    # rings (Q/dO; K/V). Only the schedule.
-    mosaic_bwd_persistent: bool = False
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -181,7 +178,7 @@ class Launch:
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
         for name in ("mosaic_bwd_pingpong", "mosaic_dq_pingpong", "mosaic_fwd_persistent",
-                     "mosaic_bwd_persistent", "heavy_first"):
+                     "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:

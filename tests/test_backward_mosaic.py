@@ -142,9 +142,8 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch, kernel):
 def test_hook_in_backward_runs_them(monkeypatch, with_dq, pingpong):
     """backward.py's hook: for ``Launch.bwd_kernel`` "mosaic" / "mosaic_dkdv" dK and dV are the
     Mosaic kernel's (given q, k, v, dO, L, δ as the Triton kernel gets them, the gradients' dtype,
-    the launch's ring depth, register split, ``mosaic_bwd_pingpong`` and persistent programs), dQ
-    the Mosaic dQ kernel's or (dK/dV only) still the Triton kernel's; for "triton" nothing of it
-    runs."""
+    the launch's ring depth, register split and ``mosaic_bwd_pingpong``), dQ the Mosaic dQ kernel's
+    or (dK/dV only) still the Triton kernel's; for "triton" nothing of it runs."""
     shape = (1, 128, 1, 64)
     cfg = make_cfg(128, 64)
     q, k, v, do = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), BF16)
@@ -155,31 +154,27 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, pingpong):
 
     def fake(fill):
         def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None,
-                   regs=None, pingpong=None, keys=None, programs=None):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, programs,
-                         pingpong, keys))
+                   regs=None, pingpong=None, keys=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, pingpong, keys))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
 
     monkeypatch.setattr(bm, "dkdv_mosaic", fake((1.0, 2.0)))
     monkeypatch.setattr(bm, "dq_mosaic", fake((3.0,)))
-    monkeypatch.setattr(mosaic_common, "sm_count", lambda: 9)
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
     launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
                        mosaic_bwd_pingpong=pingpong, mosaic_dq_pingpong=not pingpong,
-                       mosaic_bwd_regs=(240, 24), mosaic_dq_keys=128,
-                       mosaic_bwd_persistent=pingpong)
+                       mosaic_bwd_regs=(240, 24), mosaic_dq_keys=128)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
     # the dK/dV kernel (called first) takes its ping-pong flag, the dQ kernel its own and key tile
     assert [s[-2:] for s in seen] == [(pingpong, None), (not pingpong, 128)][:len(seen)]
-    for args, got_cfg, out_dtype, stages, regs, programs, *_ in seen:
+    for args, got_cfg, out_dtype, stages, regs, *_ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
         assert got_cfg == cfg and out_dtype == BF16 and stages == 2 and regs == (240, 24)
-        assert programs == (9 if pingpong else None)  # persistent: a program per SM, both kernels
     assert np.all(np.asarray(dk, np.float32) == 1) and np.all(np.asarray(dv, np.float32) == 2)
     if with_dq:
         assert np.all(np.asarray(dq, np.float32) == 3)
@@ -210,21 +205,18 @@ def _inputs(rng, shape, cfg, tied=False):
     return q, k, v, do, o, lse, dlt
 
 
-def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None, dq_keys=None, pingpong=False,
-                 programs=None):
+def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None, dq_keys=None, pingpong=False):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     # each kernel compiled once per test (the race detector runs inside it too)
     dk, dv = jitted(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                    interpret=interpret_params(), stages=stages, pingpong=pingpong,
-                    programs=programs)
+                    interpret=interpret_params(), stages=stages, pingpong=pingpong)
     jax.block_until_ready((dk, dv))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     dq = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                interpret=interpret_params(), stages=stages, keys=dq_keys, pingpong=pingpong,
-                programs=programs)
+                interpret=interpret_params(), stages=stages, keys=dq_keys, pingpong=pingpong)
     jax.block_until_ready((dq))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return dq, dk, dv
@@ -295,30 +287,6 @@ def test_interpreted_pingpong_changes_no_bit(rng, causal, window, kv_heads, n, d
     base = _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys)
     chex.assert_trees_all_equal(
         _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys, pingpong=True), base)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("causal,window,kv_heads,dq_keys,pingpong", [
-    (True, None, 1, None, False), (True, (100, 30), 2, 128, True),
-    pytest.param(False, None, 2, None, False, marks=pytest.mark.slow)],
-    ids=["causal", "window-gqa-dq128-pingpong", "full-gqa"])
-def test_interpreted_persistent_programs_change_no_bit(rng, causal, window, kv_heads, dq_keys,
-                                                       pingpong):
-    """``Launch.mosaic_bwd_persistent``: programs that take the kernels' items in turn (dK/dV: a
-    batch, key/value head and key block; dQ: a batch, head and query block), one ring running on
-    across them, give dQ, dK, dV equal to a program per item's bit for bit, races checked: 1
-    program (every item through one ring; causal), 3 (items left over on the last wave, odd waves
-    in reverse); with a window, GQA (a group's query heads in one item's ring) and ping-pong. Rings
-    of 3 slots, which items of 2 and 4 steps leave at every offset: an item that miscounts the
-    ring's position takes the wrong slot."""
-    cfg = dataclasses.replace(make_cfg(256, 64, causal=causal), window=window,
-                              groups=2 // kv_heads)
-    q, k, v, do, lse, dlt = _gqa_inputs(rng, cfg, 2, kv_heads)
-    kw = dict(dq_keys=dq_keys, pingpong=pingpong, stages=3)
-    base = _interpreted(q, k, v, do, lse, dlt, cfg, **kw)
-    for programs in (1, 3) if window is None else (3,):
-        chex.assert_trees_all_equal(
-            _interpreted(q, k, v, do, lse, dlt, cfg, programs=programs, **kw), base)
 
 
 @needs_interpreter

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from .. import tile
 from ..spec import Launch, Numerics
-from . import backward_mosaic, mosaic_common
+from . import backward_mosaic
 from .common import compiler_params, interpret_mode, kernel_body, resident_block
 from .forward import at_slot, kv_head, kv_loop, length_specs, read_lengths, unpacked_shape
 
@@ -260,12 +260,11 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
             input_output_aliases={len(operands): 0}, interpret=interpret_mode(),
             compiler_params=dq_params, name=_name("dq", cfg),
         )(*operands, dqkv)
-    programs = mosaic_common.sm_count() if launch.mosaic_bwd_persistent else None
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                              stages=launch.mosaic_bwd_stages,
                                              pingpong=launch.mosaic_bwd_pingpong,
-                                             regs=launch.mosaic_bwd_regs, programs=programs)
+                                             regs=launch.mosaic_bwd_regs)
     else:
         dk, dv = pl.pallas_call(
             dkdv_kernel,
@@ -282,7 +281,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                        stages=launch.mosaic_bwd_stages,
                                        regs=launch.mosaic_bwd_regs, keys=launch.mosaic_dq_keys,
-                                       pingpong=launch.mosaic_dq_pingpong, programs=programs)
+                                       pingpong=launch.mosaic_dq_pingpong)
     else:
         dq = pl.pallas_call(
             dq_kernel,

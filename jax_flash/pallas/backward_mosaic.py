@@ -35,7 +35,7 @@ from .. import tile
 from ..rounding import cast_rounded, native_casts
 from ..spec import Numerics, check_mosaic_regs
 from . import mosaic_common
-from .mosaic_common import Stream, drain_ring, stream_ring, stream_ring_on, unsupported_masks
+from .mosaic_common import Stream, stream_ring, unsupported_masks
 from .mosaic_common import exp2_backend as _exp2
 
 KEYS_PER_WG = 64  # wgmma's M: the keys of one compute warpgroup
@@ -107,7 +107,7 @@ def ds_tile(p_t, dp_t, delta_b):
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *,
             cfg: Numerics, nq: int, stages: int, interpret: bool, pingpong: bool = False,
-            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), programs: int | None = None):
+            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -120,18 +120,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
     # the program's key/value head; its group's query heads head·g … head·g + g − 1 come one after
     # the other, each with its query blocks in increasing order (the Triton kernel's order)
     g = cfg.groups
-    bsz, t = q_ref.shape[:2]
-
-    def item(batch, head, kblk):
-        """A (batch, key/value head, key block): the query blocks [p_lo, p_hi) that see its keys
-        (tile.q_block_bounds: the causal diagonal, a window's edges), streamed per query head of
-        its group, n_steps of them each."""
-        key0 = kblk * KEYS  # causal: the first key blocks have the most query blocks
-        p_lo, _, _, p_hi = tile.q_block_bounds(key0, bq, KEYS, nq, cfg)
-        return batch, head, key0, p_lo, p_hi, p_hi - p_lo
-
-    items = mosaic_common.work_items(programs, (bsz, k_ref.shape[2], t // KEYS),
-                                     ("batch", "head", "kblk"), item, lambda it: g * it[5])
+    batch, head = lax.axis_index("batch"), lax.axis_index("head")
+    key0 = lax.axis_index("kblk") * KEYS  # causal: the first programs have the most query blocks
+    # the program streams the query blocks [p_lo, p_hi) that see its keys (tile.q_block_bounds: the
+    # causal diagonal, a window's edges), per query head of its group
+    p_lo, _, _, p_hi = tile.q_block_bounds(key0, bq, KEYS, nq, cfg)
+    n_steps = p_hi - p_lo
 
     def wgmma_layout(x):
         return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
@@ -143,8 +137,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             vec = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(vec, (bk, bq), [1])
 
-    def compute(it, ring, _):
-        batch, head, key0, p_lo, p_hi, n_steps = it
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(regs[0], action="increase")
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         keys = key0 + wg * bk
         kv = (batch, pl.ds(keys, bk), head)
@@ -250,7 +245,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             return dk, dv
 
         def one_head(i, carry):  # query head head·g + i: its n_steps query blocks
-            base = i * n_steps if programs is None else ring + i * n_steps
+            base = i * n_steps
             # above the diagonal, a window's upper edge; the window's lower edge (without one,
             # full_hi = hi = p_hi)
             # keys at or past a padded length see only masked blocks: the trailing loop runs them
@@ -270,14 +265,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv])
         plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv])
-        # a persistent program's next item loads its K, V into these buffers: read out suffices
-        plgpu.wait_smem_to_gmem(0, wait_read_only=programs is not None)
+        plgpu.wait_smem_to_gmem(0)
 
-    pl.when(wg < COMPUTE_WGS)(
-        lambda: mosaic_common.run_consumer(items, compute, regs[0], programs is not None))
+    @pl.when(wg == COMPUTE_WGS)
+    def _produce():
+        plgpu.set_max_registers(regs[1], action="decrease")
 
-    def produce(it, ring, _):
-        batch, head, key0, p_lo, p_hi, n_steps = it
         if g == 1:
             rows = lambda s: pl.ds((p_lo + s) * bq, bq)
             qh = lambda s: head
@@ -285,21 +278,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             rows = lambda s: pl.ds((p_lo + lax.rem(s, n_steps)) * bq, bq)
             qh = lambda s: head * g + s // n_steps
         # one free barrier per slot covers all four: the consumers release a step's Q, dO, L and δ at once
-        streams = [Stream(lambda s: q_ref.at[batch, rows(s), qh(s)], q_smem, q_ready, free),
-                   Stream(lambda s: lse_ref.at[batch, qh(s), rows(s)], lse_smem, lse_ready, None),
-                   Stream(lambda s: do_ref.at[batch, rows(s), qh(s)], do_smem, do_ready, None),
-                   Stream(lambda s: dlt_ref.at[batch, qh(s), rows(s)], dlt_smem, dlt_ready, None)]
-        if programs is None:
-            stream_ring(streams, stages, g * n_steps)
-        else:
-            stream_ring_on(streams, stages, g * n_steps, ring)
-
-    @pl.when(wg == COMPUTE_WGS)
-    def _produce():
-        plgpu.set_max_registers(regs[1], action="decrease")
-        counts = items(produce)
-        if programs is not None:
-            drain_ring([Stream(None, None, None, free)], stages, counts[0])
+        stream_ring([Stream(lambda s: q_ref.at[batch, rows(s), qh(s)], q_smem, q_ready, free),
+                     Stream(lambda s: lse_ref.at[batch, qh(s), rows(s)], lse_smem, lse_ready, None),
+                     Stream(lambda s: do_ref.at[batch, rows(s), qh(s)], do_smem, do_ready, None),
+                     Stream(lambda s: dlt_ref.at[batch, qh(s), rows(s)], dlt_smem, dlt_ready, None)],
+                    stages, g * n_steps)
 
 
 def _regs(regs) -> tuple[int, int]:
@@ -367,7 +350,7 @@ def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE, pingpong=False):
 
 
 def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-                pingpong=False, regs=None, programs=None):
+                pingpong=False, regs=None):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
     query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
@@ -377,10 +360,7 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     tensor cores as the forward's do (``_kernel``'s ``take_turn``): the same operations in the same
     order per warpgroup, so the same values.
     ``regs``: ``Launch.mosaic_bwd_regs``, the (compute, producer) registers a thread (None:
-    ``COMPUTE_REGS``, ``PRODUCER_REGS``), which changes where values live, not what they are.
-    ``programs``: None, a program per (batch, key/value head, key block); else that many persistent
-    programs (``Launch.mosaic_bwd_persistent``), each taking those items in turn with one Q/dO ring
-    across them: the same per-item arithmetic."""
+    ``COMPUTE_REGS``, ``PRODUCER_REGS``), which changes where values live, not what they are."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
     plgpu = mosaic_common.plgpu()
     bsz, t, h, d = q.shape
@@ -392,11 +372,9 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     scratch = dkdv_scratch(d, q.dtype, stages, pingpong)
     if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
-    grid = (bsz, k.shape[2], t // KEYS)
-    programs = mosaic_common.persistent_programs(programs, grid)
     body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages,
                              interpret=interpret is not None, pingpong=pingpong,
-                             regs=_regs(regs), programs=programs)
+                             regs=_regs(regs))
 
     def entry(*refs):
         from jax.experimental import pallas as pl
@@ -412,8 +390,8 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
         out_type=(out, out),
         # a program per key block and key/value head; the last axis is launched fastest, so a
         # head's key blocks run side by side and share its Q and dO in L2
-        grid=grid if programs is None else (programs,),
-        grid_names=("batch", "head", "kblk") if programs is None else ("prog",),
+        grid=(bsz, k.shape[2], t // KEYS),
+        grid_names=("batch", "head", "kblk"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name=f"jax_flash_dkdv_mosaic_{cfg.policy.name}",  # profilers filter on "jax_flash"
@@ -433,7 +411,7 @@ def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
                nk: int, stages: int, interpret: bool,
                regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), keys: int = DQ_KEY_TILE,
-               pingpong: bool = False, programs: int | None = None):
+               pingpong: bool = False):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -443,16 +421,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     staging = rest
     rq, bk, d = KEYS_PER_WG, keys, q_ref.shape[-1]
     wg = lax.axis_index("wg")
-    items = mosaic_common.query_block_items(programs, q_ref.shape, KEYS, bk, nk, cfg)
+    items = mosaic_common.query_block_items(None, q_ref.shape, KEYS, bk, nk, cfg)
 
     def row_vector(ref):  # L or δ of the warpgroup's rows, broadcast along the keys: [rq, bk]
         vec = ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
         return lax.broadcast_in_dim(vec, (rq, bk), [0])
 
-    def ring_slot(ring, j):  # the ring position of an item's j-th streamed tile
-        return lax.rem(j if programs is None else ring + j, stages)
-
-    def compute(it, ring, _):
+    def compute(it, _ring, _n):
         batch, head, row0, p_lo, p_hi = it
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         rows = row0 + wg * rq
@@ -475,8 +450,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(turn)
 
-        def step(j, dq, masked: bool):  # j: the key tile; ring + j − p_lo: its place in the ring
-            slot = ring_slot(ring, j - p_lo)
+        def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
+            slot = lax.rem(j - p_lo, stages)
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(k_ready.at[slot])
             if pingpong:  # S's and dP's products issued together, then the other's turn
@@ -530,7 +505,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             return dq
 
         def skip(j, _):  # tiles outside this warpgroup's rows' view that the other one needs
-            slot = ring_slot(ring, j - p_lo)
+            slot = lax.rem(j - p_lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
@@ -551,27 +526,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
-        # a persistent program's next item loads its Q into this buffer: read out suffices
-        plgpu.wait_smem_to_gmem(0, wait_read_only=programs is not None)
+        plgpu.wait_smem_to_gmem(0)
 
-    persistent = programs is not None
-    pl.when(wg < COMPUTE_WGS)(
-        lambda: mosaic_common.run_consumer(items, compute, regs[0], persistent))
+    pl.when(wg < COMPUTE_WGS)(lambda: mosaic_common.run_consumer(items, compute, regs[0], False))
     pl.when(wg == COMPUTE_WGS)(lambda: mosaic_common.run_kv_producer(
         items, k_ref, v_ref, cfg.groups, bk, (k_smem, k_ready, k_free), (v_smem, v_ready, v_free),
-        stages, regs[1], persistent))
+        stages, regs[1], False))
 
 
 def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-              regs=None, keys=None, pingpong=False, programs=None):
+              regs=None, keys=None, pingpong=False):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
     128 query rows per program (two compute warpgroups of 64), key tiles of ``keys`` (64 or 128,
     ``Launch.mosaic_dq_keys``; None: 64) streamed by TMA, in increasing order up to the causal
     diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the K/V ring of 64-key tiles; 128-key
     tiles take ``DQ128_STAGES``; ``pingpong``: ``Launch.mosaic_dq_pingpong``, the warpgroups taking
-    turns, S's and dP's products issued together: the same operations, the same values;
-    ``programs``: persistent programs over the (batch, head, query block) items, one K/V ring
-    across them)."""
+    turns, S's and dP's products issued together: the same operations, the same values)."""
     _require_covered("dQ", cfg, q, k, v, do, out_dtype)
     keys = keys or DQ_KEY_TILE
     if keys not in DQ_KEY_TILES:
@@ -589,11 +559,9 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     scratch = dq_scratch(d, q.dtype, stages, keys, pingpong)
     if interpret is not None:  # dS staged for the interpreter's wgmma
         scratch += (plgpu.SMEM((*rows, keys), q.dtype, transforms=layout),)
-    grid = (bsz, h, t // KEYS)  # query blocks fastest: a head's K and V shared in L2
-    programs = mosaic_common.persistent_programs(programs, grid)
     body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,
                              interpret=interpret is not None, regs=_regs(regs), keys=keys,
-                             pingpong=pingpong, programs=programs)
+                             pingpong=pingpong)
 
     def entry(*refs):
         from jax.experimental import pallas as pl
@@ -605,8 +573,8 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, out_dtype),
-        grid=grid if programs is None else (programs,),
-        grid_names=("batch", "head", "qblk") if programs is None else ("prog",),
+        grid=(bsz, h, t // KEYS),  # query blocks fastest: a head's K and V shared in L2
+        grid_names=("batch", "head", "qblk"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name=f"jax_flash_dq_mosaic_{cfg.policy.name}",
