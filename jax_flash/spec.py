@@ -146,18 +146,12 @@ class Launch:
     # Q/dO and K/V tiles); None: the kernels' per-shape defaults. Only how far loads run ahead.
     mosaic_fwd_stages: int | None = None
     mosaic_bwd_stages: int | None = None
-    # Mosaic dK/dV kernel: its two compute warpgroups take turns on the tensor cores, as the
-    # forward's do, one's elementwise work under the other's MMAs. Only the schedule.
-    mosaic_bwd_pingpong: bool = False
     # Mosaic backward kernels: registers a thread of each compute / producer warpgroup asks for
     # (setmaxnreg); None: (232, 40). Only where values live, so only whether the compiler spills.
     mosaic_bwd_regs: tuple[int, int] | None = None
     # Mosaic dQ kernel: keys a streamed K/V tile holds, 64 or 128 (None: 64); dQ sums the same
     # products in the same key order either way, only in longer MMAs and fewer ring steps
     mosaic_dq_keys: int | None = None
-    # Mosaic dQ kernel: its two compute warpgroups take turns on the tensor cores, one's dS under
-    # the other's products (S's and dP's issued together). Only the schedule.
-    mosaic_dq_pingpong: bool = False
     # Mosaic forward: one program per SM, each taking (batch, head, query block) items in turn with
     # one K/V ring across them, so the next item's loads overlap this one's end. Only the schedule.
     mosaic_fwd_persistent: bool = False
@@ -177,8 +171,7 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("mosaic_bwd_pingpong", "mosaic_dq_pingpong", "mosaic_fwd_persistent",
-                     "heavy_first"):
+        for name in ("mosaic_fwd_persistent", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:

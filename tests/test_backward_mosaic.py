@@ -137,12 +137,11 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch, kernel):
         jf.plan(x, x, x, delta="dpp", launch={"bwd_kernel": kernel})
 
 
-@pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("with_dq", [True, False])
-def test_hook_in_backward_runs_them(monkeypatch, with_dq, pingpong):
+def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     """backward.py's hook: for ``Launch.bwd_kernel`` "mosaic" / "mosaic_dkdv" dK and dV are the
     Mosaic kernel's (given q, k, v, dO, L, δ as the Triton kernel gets them, the gradients' dtype,
-    the launch's ring depth, register split and ``mosaic_bwd_pingpong``), dQ the Mosaic dQ kernel's
+    the launch's ring depth and register split), dQ the Mosaic dQ kernel's (and its key tile)
     or (dK/dV only) still the Triton kernel's; for "triton" nothing of it runs."""
     shape = (1, 128, 1, 64)
     cfg = make_cfg(128, 64)
@@ -154,8 +153,8 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, pingpong):
 
     def fake(fill):
         def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None,
-                   regs=None, pingpong=None, keys=None):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, pingpong, keys))
+                   regs=None, keys=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, keys))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
@@ -165,12 +164,11 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq, pingpong):
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
     launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
-                       mosaic_bwd_pingpong=pingpong, mosaic_dq_pingpong=not pingpong,
                        mosaic_bwd_regs=(240, 24), mosaic_dq_keys=128)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    # the dK/dV kernel (called first) takes its ping-pong flag, the dQ kernel its own and key tile
-    assert [s[-2:] for s in seen] == [(pingpong, None), (not pingpong, 128)][:len(seen)]
+    # the dK/dV kernel is called first; the dQ kernel takes the key tile
+    assert [s[-1] for s in seen] == [None, 128][:len(seen)]
     for args, got_cfg, out_dtype, stages, regs, *_ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
@@ -205,18 +203,18 @@ def _inputs(rng, shape, cfg, tied=False):
     return q, k, v, do, o, lse, dlt
 
 
-def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None, dq_keys=None, pingpong=False):
+def _interpreted(q, k, v, do, lse, dlt, cfg, stages=None, dq_keys=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     # each kernel compiled once per test (the race detector runs inside it too)
     dk, dv = jitted(bm.dkdv_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                    interpret=interpret_params(), stages=stages, pingpong=pingpong)
+                    interpret=interpret_params(), stages=stages)
     jax.block_until_ready((dk, dv))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     dq = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                interpret=interpret_params(), stages=stages, keys=dq_keys, pingpong=pingpong)
+                interpret=interpret_params(), stages=stages, keys=dq_keys)
     jax.block_until_ready((dq))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return dq, dk, dv
@@ -258,35 +256,6 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg)
     base = _interpreted(q, k, v, do, lse, dlt, cfg)
     chex.assert_trees_all_equal(_interpreted(q, k, v, do, lse, dlt, cfg, stages=1), base)
-
-
-def _gqa_inputs(rng, cfg, batch, kv_heads, t=256):
-    """Q, K, V, dO at [batch, t, 2 heads, 64] (K, V with ``kv_heads``), and the jnp forward's L
-    and δ under ``cfg``."""
-    q, do = (jnp.asarray(rng.standard_normal((batch, t, 2, 64)), BF16) for _ in range(2))
-    k, v = (jnp.asarray(rng.standard_normal((batch, t, kv_heads, 64)), BF16) for _ in range(2))
-    o, lse = jitted(jnp_impl.forward, q, k, v, cfg=cfg)
-    dlt = jitted(jnp_impl.delta, q, k, v, jnp.asarray(o).astype(BF16), do, lse, cfg=cfg)
-    return q, k, v, do, lse, dlt
-
-
-@needs_interpreter
-@pytest.mark.parametrize("causal,window,kv_heads,n,dq_keys", [
-    (True, None, 1, 256, None), pytest.param(False, None, 2, 256, None, marks=pytest.mark.slow),
-    (True, (100, 30), 2, 256, 128), pytest.param(True, None, 1, 200, 128, marks=pytest.mark.slow)],
-    ids=["causal", "full-gqa", "window-gqa-dq128", "padded-dq128"])
-def test_interpreted_pingpong_changes_no_bit(rng, causal, window, kv_heads, n, dq_keys):
-    """``Launch.mosaic_bwd_pingpong`` and ``mosaic_dq_pingpong``: each kernel's two compute
-    warpgroups meet at fixed points of every tile (four in dK/dV, two in dQ; a skipped tile too)
-    and warpgroup 1 starts a turn behind; the same operations in the same order per warpgroup, so
-    dQ, dK and dV equal the default schedule's bit for bit, races checked, causal or not, with a
-    window and GQA (the dK/dV kernel's turns go on across a group's query heads), and at a padded
-    length (tiles one warpgroup skips while the other computes)."""
-    cfg = dataclasses.replace(make_cfg(n, 64, causal=causal), window=window, groups=2 // kv_heads)
-    q, k, v, do, lse, dlt = _gqa_inputs(rng, cfg, 1, kv_heads)
-    base = _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys)
-    chex.assert_trees_all_equal(
-        _interpreted(q, k, v, do, lse, dlt, cfg, dq_keys=dq_keys, pingpong=True), base)
 
 
 @needs_interpreter

@@ -49,7 +49,7 @@ def test_launch_fields_and_validation():
     full = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic_dkdv", fwd=(4, 3), bwd=(8, 2),
                      dq=(4, 2), split_diagonal=True, bwd_block=128, dq_block=64, prefetch_rows=True,
                      prefetch_scores=True, mosaic_fwd_stages=3, mosaic_bwd_stages=4,
-                     mosaic_bwd_pingpong=True, mosaic_dq_pingpong=True, mosaic_bwd_regs=(240, 24),
+                     mosaic_bwd_regs=(240, 24),
                      mosaic_fwd_persistent=True, heavy_first=True)
     assert jf.Launch.from_dict(full.to_dict()) == full
     assert jf.Launch.from_dict(json.loads(json.dumps(full.to_dict()))) == full  # lists → tuples
@@ -62,9 +62,7 @@ def test_launch_fields_and_validation():
                      ({"mosaic_fwd_stages": 0}, "mosaic_fwd_stages"),
                      ({"mosaic_bwd_stages": 9}, "mosaic_bwd_stages"),
                      ({"mosaic_bwd_stages": 2.0}, "mosaic_bwd_stages"),
-                     ({"mosaic_bwd_pingpong": 1}, "mosaic_bwd_pingpong"),
-                     ({"mosaic_bwd_pingpong": "yes"}, "mosaic_bwd_pingpong"),
-                     ({"mosaic_dq_pingpong": 0}, "mosaic_dq_pingpong"),
+                     ({"mosaic_fwd_persistent": "yes"}, "mosaic_fwd_persistent"),
                      ({"mosaic_fwd_persistent": 1}, "mosaic_fwd_persistent"),
                      ({"heavy_first": 1}, "heavy_first"),
                      # not multiples of 8; under setmaxnreg's 24; more than the three warpgroups

@@ -263,7 +263,6 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
     if mosaic:
         dk, dv = backward_mosaic.dkdv_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                              stages=launch.mosaic_bwd_stages,
-                                             pingpong=launch.mosaic_bwd_pingpong,
                                              regs=launch.mosaic_bwd_regs)
     else:
         dk, dv = pl.pallas_call(
@@ -280,8 +279,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
     if launch.bwd_kernel == "mosaic":
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                        stages=launch.mosaic_bwd_stages,
-                                       regs=launch.mosaic_bwd_regs, keys=launch.mosaic_dq_keys,
-                                       pingpong=launch.mosaic_dq_pingpong)
+                                       regs=launch.mosaic_bwd_regs, keys=launch.mosaic_dq_keys)
     else:
         dq = pl.pallas_call(
             dq_kernel,

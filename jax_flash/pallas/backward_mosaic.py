@@ -106,15 +106,13 @@ def ds_tile(p_t, dp_t, delta_b):
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *,
-            cfg: Numerics, nq: int, stages: int, interpret: bool, pingpong: bool = False,
+            cfg: Numerics, nq: int, stages: int, interpret: bool,
             regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
     (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
-     free, k_ready, v_ready, *rest) = scratch
-    turn = rest.pop(0) if pingpong else None
-    staging = rest
+     free, k_ready, v_ready, *staging) = scratch
     bq, bk, d = Q_TILE, KEYS_PER_WG, q_ref.shape[-1]
     wg = lax.axis_index("wg")
     # the program's key/value head; its group's query heads head·g … head·g + g − 1 come one after
@@ -160,16 +158,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             slot = lax.rem(base + b - p_lo, stages)
             wait_ready(slot)
             plgpu.barrier_arrive(free.at[slot])
-            for _ in range(4):  # a step's turns, so that the other warpgroup's pair up
-                take_turn()
-
-        def take_turn():
-            """Both compute warpgroups meet here (``Launch.mosaic_bwd_pingpong``): each call pairs
-            with one of the other's, and warpgroup 1 takes one first, so that one's MMAs run while
-            the other's elementwise work does; without pingpong, nothing."""
-            if pingpong:
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(turn)
 
         def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: ring step
             dk, dv = carry
@@ -177,11 +165,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
 
-            # with pingpong, a step's four turns split it into two MMA phases (dK's product of the
-            # step before and Sᵀ's; dV's and dPᵀ's) and two elementwise ones (Pᵀ; dSᵀ)
             def sk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_tile.T)
-                take_turn()
                 return acc_ref[...]
 
             s_t = pl.run_scoped(sk, plgpu.ACC((bk, bq), jnp.float32))
@@ -194,13 +179,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             plgpu.barrier_wait(do_ready.at[slot])
             if not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
                 p_op = cast_rounded(p_t, pol.p_dtype)
-                take_turn()
 
                 def dv_dp(refs):
                     dv_ref, dp_ref = refs
                     plgpu.wgmma(dv_ref, p_op, do_tile)
                     plgpu.wgmma(dp_ref, v_tile, do_tile.T)
-                    take_turn()
 
                 zeros = wgmma_layout(jnp.zeros((bk, bq), jnp.float32))
                 dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
@@ -210,12 +193,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 p_stage, ds_stage = staging[0].at[wg], staging[1].at[wg]
                 p_stage[...] = cast_rounded(p_t, pol.p_dtype)
                 plgpu.commit_smem()
-                take_turn()
 
                 def dv_dp(dv_ref, dp_ref):
                     plgpu.wgmma(dv_ref, p_stage, do_tile)
                     plgpu.wgmma(dp_ref, v_tile, do_tile.T)
-                    take_turn()
                     return dv_ref[...], dp_ref[...]
 
                 pdo, dp_t = pl.run_scoped(dv_dp, plgpu.ACC((bk, d), jnp.float32),
@@ -225,7 +206,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             ds_t = ds_tile(p_t, dp_t, row_vector(dlt_smem.at[slot]))
             if not interpret:
                 ds_op = cast_rounded(ds_t, pol.p_dtype)
-                take_turn()
 
                 def dk_mma(dk_ref):
                     plgpu.wgmma(dk_ref, ds_op, q_tile)
@@ -234,7 +214,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             else:
                 ds_stage[...] = cast_rounded(ds_t, pol.p_dtype)
                 plgpu.commit_smem()
-                take_turn()
 
                 def dk_mma(dk_ref):
                     plgpu.wgmma(dk_ref, ds_stage, q_tile)
@@ -257,9 +236,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
 
         zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
         carry = (zeros, zeros)
-        pl.when(wg == 1)(take_turn)  # one turn behind, so that the two alternate from the start
         dk, dv = one_head(0, carry) if g == 1 else lax.fori_loop(0, g, one_head, carry)
-        pl.when(wg == 0)(take_turn)  # pairs with warpgroup 1's first
         k_tile[...] = (dk * cfg.sm_scale).astype(k_tile.dtype)
         v_tile[...] = dv.astype(v_tile.dtype)
         plgpu.commit_smem()
@@ -304,9 +281,8 @@ def _require_covered(kernel: str, cfg: Numerics, q, k, v, do, out_dtype):
         raise ValueError(f"the Mosaic GPU {kernel} kernel does not cover this call: {reason}")
 
 
-def dkdv_scratch(d, dtype, stages, pingpong=False):
-    """The dK/dV kernel's compiled shared-memory scratch with a Q/dO ring of ``stages`` (and, with
-    ``pingpong``, the barrier of the compute warpgroups' turns)."""
+def dkdv_scratch(d, dtype, stages):
+    """The dK/dV kernel's compiled shared-memory scratch with a Q/dO ring of ``stages``."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
     return (
@@ -323,13 +299,12 @@ def dkdv_scratch(d, dtype, stages, pingpong=False):
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # slot free
         plgpu.Barrier(num_barriers=COMPUTE_WGS),  # K arrived, per warpgroup
         plgpu.Barrier(num_barriers=COMPUTE_WGS),  # V arrived, per warpgroup
-        *((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if pingpong else ()),  # the turn
     )
 
 
-def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE, pingpong=False):
+def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE):
     """The dQ kernel's compiled shared-memory scratch with a K/V ring of ``stages`` tiles of
-    ``keys`` (and, with ``pingpong``, the barrier of the compute warpgroups' turns)."""
+    ``keys``."""
     plgpu = mosaic_common.plgpu()
     layout = mosaic_common.swizzled()
     rows = (COMPUTE_WGS, KEYS_PER_WG)
@@ -345,20 +320,16 @@ def dq_scratch(d, dtype, stages, keys: int = DQ_KEY_TILE, pingpong=False):
         plgpu.Barrier(num_barriers=stages),  # V_j arrived
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
-        *((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if pingpong else ()),  # the turn
     )
 
 
 def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-                pingpong=False, regs=None):
+                regs=None):
     """(dK, dV) ``[B, T, K, D]`` in ``out_dtype`` (K = H / cfg.groups key/value heads; a group's
     query heads summed in FP32, one after the other), dK times sm_scale, as ``backward.backward``'s
     dK/dV kernel. ``lse``, ``dlt``: L (FP32, log2 units) and δ ``[B, H, T]``. ``interpret``: a
     ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11; tests only). ``stages``: the depth
     of the Q/dO ring (``Launch.mosaic_bwd_stages``; None: ``STAGES``), which changes no value.
-    ``pingpong``: ``Launch.mosaic_bwd_pingpong``, the two compute warpgroups taking turns on the
-    tensor cores as the forward's do (``_kernel``'s ``take_turn``): the same operations in the same
-    order per warpgroup, so the same values.
     ``regs``: ``Launch.mosaic_bwd_regs``, the (compute, producer) registers a thread (None:
     ``COMPUTE_REGS``, ``PRODUCER_REGS``), which changes where values live, not what they are."""
     _require_covered("dK/dV", cfg, q, k, v, do, out_dtype)
@@ -366,15 +337,13 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
     bsz, t, h, d = q.shape
     nq = t // Q_TILE
     layout = mosaic_common.swizzled()
-    pingpong = bool(pingpong)
-    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n, pingpong), stages,
+    stages = mosaic_common.ring_stages(lambda n: dkdv_scratch(d, q.dtype, n), stages,
                                        STAGES[d], nq, "dK/dV")
-    scratch = dkdv_scratch(d, q.dtype, stages, pingpong)
+    scratch = dkdv_scratch(d, q.dtype, stages)
     if interpret is not None:  # Pᵀ, dSᵀ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, Q_TILE), q.dtype, transforms=layout),) * 2
     body = functools.partial(_kernel, cfg=cfg, nq=nq, stages=stages,
-                             interpret=interpret is not None, pingpong=pingpong,
-                             regs=_regs(regs))
+                             interpret=interpret is not None, regs=_regs(regs))
 
     def entry(*refs):
         from jax.experimental import pallas as pl
@@ -410,15 +379,12 @@ def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
                nk: int, stages: int, interpret: bool,
-               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), keys: int = DQ_KEY_TILE,
-               pingpong: bool = False):
+               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), keys: int = DQ_KEY_TILE):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
     (q_smem, do_smem, lse_smem, dlt_smem, k_smem, v_smem, q_ready, do_ready, lse_ready, dlt_ready,
-     k_ready, v_ready, k_free, v_free, *rest) = scratch
-    turn = rest.pop(0) if pingpong else None
-    staging = rest
+     k_ready, v_ready, k_free, v_free, *staging) = scratch
     rq, bk, d = KEYS_PER_WG, keys, q_ref.shape[-1]
     wg = lax.axis_index("wg")
     items = mosaic_common.query_block_items(None, q_ref.shape, KEYS, bk, nk, cfg)
@@ -443,48 +409,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         for bar in (q_ready, do_ready, lse_ready, dlt_ready):
             plgpu.barrier_wait(bar.at[wg])
 
-        def take_turn():
-            """Both compute warpgroups meet here (``Launch.mosaic_dq_pingpong``), as in the dK/dV
-            kernel: twice a key tile, warpgroup 1 a turn behind; without pingpong, nothing."""
-            if pingpong:
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(turn)
-
         def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
             slot = lax.rem(j - p_lo, stages)
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(k_ready.at[slot])
-            if pingpong:  # S's and dP's products issued together, then the other's turn
 
-                def qk_dov(s_ref, dp_ref):
-                    plgpu.wgmma(s_ref, q_tile, k_tile.T)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.wgmma(dp_ref, do_tile, v_tile.T)
-                    take_turn()
-                    return s_ref[...], dp_ref[...]
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+                return acc_ref[...]
 
-                s, dp = pl.run_scoped(qk_dov, plgpu.ACC((rq, bk), jnp.float32),
-                                      plgpu.ACC((rq, bk), jnp.float32))
-            else:
+            s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
+            plgpu.barrier_wait(v_ready.at[slot])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_tile.T)
-                    return acc_ref[...]
+            def dov(acc_ref):
+                plgpu.wgmma(acc_ref, do_tile, v_tile.T)
+                return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
-                plgpu.barrier_wait(v_ready.at[slot])
-
-                def dov(acc_ref):
-                    plgpu.wgmma(acc_ref, do_tile, v_tile.T)
-                    return acc_ref[...]
-
-                dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
+            dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
             ds = ds_tile_dq(s, dp, row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg]), mask,
                             cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
-            take_turn()  # dS done: this warpgroup's dS·K and next S, dP while the other's dS runs
             if not interpret:  # dS from registers, dQ as the accumulator
 
                 def dsk(acc_ref):
@@ -510,19 +456,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            take_turn()  # a step's two turns, so that the other warpgroup's pair up
-            take_turn()
 
         dq = jnp.zeros((rq, d), jnp.float32)
         dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
-        pl.when(wg == 1)(take_turn)  # one turn behind, so that the two alternate from the start
         # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
         # window's right edge
         dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
                                        masked_first=cfg.window is not None,
                                        masked_last=cfg.causal or cfg.window is not None
                                        or cfg.kv_len % bk != 0)
-        pl.when(wg == 0)(take_turn)  # pairs with warpgroup 1's first
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
@@ -535,13 +477,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
 
 def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-              regs=None, keys=None, pingpong=False):
+              regs=None, keys=None):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
     128 query rows per program (two compute warpgroups of 64), key tiles of ``keys`` (64 or 128,
     ``Launch.mosaic_dq_keys``; None: 64) streamed by TMA, in increasing order up to the causal
     diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the K/V ring of 64-key tiles; 128-key
-    tiles take ``DQ128_STAGES``; ``pingpong``: ``Launch.mosaic_dq_pingpong``, the warpgroups taking
-    turns, S's and dP's products issued together: the same operations, the same values)."""
+    tiles take ``DQ128_STAGES``)."""
     _require_covered("dQ", cfg, q, k, v, do, out_dtype)
     keys = keys or DQ_KEY_TILE
     if keys not in DQ_KEY_TILES:
@@ -553,15 +494,13 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     rows = (COMPUTE_WGS, KEYS_PER_WG)
     if keys != DQ_KEY_TILE:
         stages = DQ128_STAGES[d]
-    pingpong = bool(pingpong)
-    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n, keys, pingpong), stages,
+    stages = mosaic_common.ring_stages(lambda n: dq_scratch(d, q.dtype, n, keys), stages,
                                        STAGES[d], nk, "dQ")
-    scratch = dq_scratch(d, q.dtype, stages, keys, pingpong)
+    scratch = dq_scratch(d, q.dtype, stages, keys)
     if interpret is not None:  # dS staged for the interpreter's wgmma
         scratch += (plgpu.SMEM((*rows, keys), q.dtype, transforms=layout),)
     body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, regs=_regs(regs), keys=keys,
-                             pingpong=pingpong)
+                             interpret=interpret is not None, regs=_regs(regs), keys=keys)
 
     def entry(*refs):
         from jax.experimental import pallas as pl
