@@ -189,7 +189,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             plgpu.barrier_arrive(q_free.at[buf])
 
     def ring_slot(base, j):  # the ring position of an item's j-th streamed tile
-        return lax.rem(j if programs is None else base + j, stages)
+        return lax.rem(base + j if persistent else j, stages)
 
     def load_q(it, n):
         """Persistent: the producer loads item n's Q for both warpgroups, into buffers whose item
@@ -212,7 +212,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
     pl.when(wg == COMPUTE_WGS)(lambda: mosaic_common.run_kv_producer(
         items, k_ref, v_ref, cfg.groups, bk, (k_smem, k_ready, k_free), (v_smem, v_ready, v_free),
         stages, PRODUCER_REGS, persistent, before=load_q if persistent else None,
-        after=last_q_waits))
+        after=last_q_waits if persistent else None))
 
 
 def forward_scratch(bk, d, dtype, stages, persistent=False):
