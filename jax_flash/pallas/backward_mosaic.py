@@ -504,14 +504,56 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
 
+        def k_release(j):  # tile j's K slot, once its dQ product has completed
+            plgpu.barrier_arrive(k_free.at[lax.rem(j - p_lo, stages)])
+
+        def piped(j, _, masked: bool):
+            """Step j with tile j − 1's dQ product still in flight on entry and tile j's on exit:
+            S and dP issued behind it, P's exps under dP, tile j − 1's K slot freed once S is
+            complete (groups retire in issue order)."""
+            slot = lax.rem(j - p_lo, stages)
+            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+            plgpu.barrier_wait(k_ready.at[slot])
+            mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
+
+            def s_dp(s_ref, dp_ref):
+                plgpu.wgmma(s_ref, q_tile, k_tile.T)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.wgmma(dp_ref, do_tile, v_tile.T)
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                pl.when(j > lo)(lambda: k_release(j - 1))
+                return p_tile(s, lse_b, mask, cfg), dp_ref[...]
+
+            p, dp = pl.run_scoped(s_dp, plgpu.ACC((rq, bk), jnp.float32),
+                                  plgpu.ACC((rq, bk), jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.wgmma(dq_acc, cast_rounded(ds_tile(p, dp, dlt_b), cfg.policy.p_dtype), k_tile)
+
         dq = jnp.zeros((rq, d), jnp.float32)
         dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
-        # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
-        # window's right edge
-        dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
-                                       masked_first=cfg.window is not None,
-                                       masked_last=cfg.causal or cfg.window is not None
-                                       or cfg.kv_len % bk != 0)
+        masked_first = cfg.window is not None
+        masked_last = cfg.causal or cfg.window is not None or cfg.kv_len % bk != 0
+        if not interpret:
+            # a window's left edge (without one, p_lo = lo = full_lo = 0)
+            if masked_first:
+                lax.fori_loop(p_lo, lo, skip, None)
+
+            def walk(acc):
+                nonlocal dq_acc
+                dq_acc = acc
+                loops = ([(lo, full_lo, True)] if masked_first else []) + [(full_lo, full_hi, False)]
+                for a, b, m in loops + ([(full_hi, hi, True)] if masked_last else []):
+                    lax.fori_loop(a, b, functools.partial(piped, masked=m), None)
+
+            dq_acc = None
+            dq = pl.run_state(walk)(plgpu.ACC.init(dq))  # waits for the last dQ product
+            pl.when(hi > lo)(lambda: k_release(hi - 1))
+            if masked_last:  # the diagonal or the window's right edge
+                lax.fori_loop(hi, p_hi, skip, None)
+        else:
+            dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi),
+                                           (lo, full_lo, full_hi, hi),
+                                           masked_first=masked_first, masked_last=masked_last)
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
