@@ -159,45 +159,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             wait_ready(slot)
             plgpu.barrier_arrive(free.at[slot])
 
-        def products(slot, q_tile, do_tile, mask_t, dk, dv):
-            """A query block's four products, compiled: Sᵀ and dPᵀ issued together, Pᵀ's exps
-            under dPᵀ's product, then dV's and dK's products issued together, one wait."""
-            pol = cfg.policy
-
-            def s_dp(s_ref, dp_ref):
-                plgpu.wgmma(s_ref, k_tile, q_tile.T)
-                plgpu.barrier_wait(do_ready.at[slot])
-                plgpu.wgmma(dp_ref, v_tile, do_tile.T)
-                plgpu.barrier_wait(lse_ready.at[slot])
-                # groups retire in issue order: with one (dPᵀ) in flight, Sᵀ is complete
-                s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                return p_tile(s_t, row_vector(lse_smem.at[slot]), mask_t, cfg), dp_ref[...]
-
-            p_t, dp_t = pl.run_scoped(s_dp, plgpu.ACC((bk, bq), jnp.float32),
-                                      plgpu.ACC((bk, bq), jnp.float32))
-            plgpu.barrier_wait(dlt_ready.at[slot])
-            ds_t = ds_tile(p_t, dp_t, row_vector(dlt_smem.at[slot]))
-            p_op, ds_op = cast_rounded(p_t, pol.p_dtype), cast_rounded(ds_t, pol.p_dtype)
-
-            def dv_dk(refs):
-                dv_ref, dk_ref = refs
-                plgpu.wgmma(dv_ref, p_op, do_tile)
-                plgpu.wgmma(dk_ref, ds_op, q_tile)
-
-            dv, dk = pl.run_state(dv_dk)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-            plgpu.barrier_arrive(free.at[slot])
-            return dk, dv
-
         def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: ring step
             dk, dv = carry
             slot = lax.rem(base + b - p_lo, stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
-            mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
-                      if masked else None)
-            pol = cfg.policy
-            if not interpret:
-                return products(slot, q_tile, do_tile, mask_t, dk, dv)
 
             def sk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_tile.T)
@@ -206,6 +172,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             s_t = pl.run_scoped(sk, plgpu.ACC((bk, bq), jnp.float32))
             plgpu.barrier_wait(lse_ready.at[slot])
             lse_b = row_vector(lse_smem.at[slot])
+            mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
+                      if masked else None)
+            pol = cfg.policy
             p_t = p_tile(s_t, lse_b, mask_t, cfg)
             plgpu.barrier_wait(do_ready.at[slot])
             if not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
@@ -404,9 +373,8 @@ def dkdv_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=No
 # ---------------------------------------------------------------------------------------------- dQ
 def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
     """dS = P∘(dP − δ) of a query block × key tile (``s``: the raw Q·Kᵀ, FP32, unscaled; L, δ
-    broadcast to ``[queries, keys]``): ``tile.backward_tile_dq``'s expressions, P as ``p_tile``'s
-    (the kernel computes P while dP's product runs, then dS)."""
-    return ds_tile(p_tile(s, lse_b, mask, cfg), dp, delta_b)
+    broadcast to ``[queries, keys]``): ``tile.backward_tile_dq``'s expressions."""
+    return tile._p_from_scores(s * cfg.score_scale, lse_b, mask, cfg.policy) * (dp - delta_b)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
@@ -440,43 +408,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                                 dlt_ready.at[wg])
         for bar in (q_ready, do_ready, lse_ready, dlt_ready):
             plgpu.barrier_wait(bar.at[wg])
-        # the rows' L and δ, read once: every key tile takes the same
-        lse_b, dlt_b = row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg])
 
         def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
             slot = lax.rem(j - p_lo, stages)
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(k_ready.at[slot])
-            mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
-            if not interpret:  # S and dP issued together; P's exps run under dP's product
 
-                def s_dp(s_ref, dp_ref):
-                    plgpu.wgmma(s_ref, q_tile, k_tile.T)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.wgmma(dp_ref, do_tile, v_tile.T)
-                    # groups retire in issue order: with one (dP) in flight, S is complete
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                    return p_tile(s, lse_b, mask, cfg), dp_ref[...]
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+                return acc_ref[...]
 
-                p, dp = pl.run_scoped(s_dp, plgpu.ACC((rq, bk), jnp.float32),
-                                      plgpu.ACC((rq, bk), jnp.float32))
-                ds = ds_tile(p, dp, dlt_b)
-            else:  # the interpreter: one product, then the other
+            s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
+            plgpu.barrier_wait(v_ready.at[slot])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_tile.T)
-                    return acc_ref[...]
+            def dov(acc_ref):
+                plgpu.wgmma(acc_ref, do_tile, v_tile.T)
+                return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
-                plgpu.barrier_wait(v_ready.at[slot])
-
-                def dov(acc_ref):
-                    plgpu.wgmma(acc_ref, do_tile, v_tile.T)
-                    return acc_ref[...]
-
-                ds = ds_tile_dq(s, pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32)), lse_b,
-                                dlt_b, mask, cfg)
+            dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
+            mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
+            ds = ds_tile_dq(s, dp, row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg]), mask,
+                            cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
             if not interpret:  # dS from registers, dQ as the accumulator
 
@@ -504,56 +457,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
 
-        def k_release(j):  # tile j's K slot, once its dQ product has completed
-            plgpu.barrier_arrive(k_free.at[lax.rem(j - p_lo, stages)])
-
-        def piped(j, _, masked: bool):
-            """Step j with tile j − 1's dQ product still in flight on entry and tile j's on exit:
-            S and dP issued behind it, P's exps under dP, tile j − 1's K slot freed once S is
-            complete (groups retire in issue order)."""
-            slot = lax.rem(j - p_lo, stages)
-            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-            plgpu.barrier_wait(k_ready.at[slot])
-            mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
-
-            def s_dp(s_ref, dp_ref):
-                plgpu.wgmma(s_ref, q_tile, k_tile.T)
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.wgmma(dp_ref, do_tile, v_tile.T)
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                pl.when(j > lo)(lambda: k_release(j - 1))
-                return p_tile(s, lse_b, mask, cfg), dp_ref[...]
-
-            p, dp = pl.run_scoped(s_dp, plgpu.ACC((rq, bk), jnp.float32),
-                                  plgpu.ACC((rq, bk), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
-            plgpu.wgmma(dq_acc, cast_rounded(ds_tile(p, dp, dlt_b), cfg.policy.p_dtype), k_tile)
-
         dq = jnp.zeros((rq, d), jnp.float32)
         dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
-        masked_first = cfg.window is not None
-        masked_last = cfg.causal or cfg.window is not None or cfg.kv_len % bk != 0
-        if not interpret:
-            # a window's left edge (without one, p_lo = lo = full_lo = 0)
-            if masked_first:
-                lax.fori_loop(p_lo, lo, skip, None)
-
-            def walk(acc):
-                nonlocal dq_acc
-                dq_acc = acc
-                loops = ([(lo, full_lo, True)] if masked_first else []) + [(full_lo, full_hi, False)]
-                for a, b, m in loops + ([(full_hi, hi, True)] if masked_last else []):
-                    lax.fori_loop(a, b, functools.partial(piped, masked=m), None)
-
-            dq_acc = None
-            dq = pl.run_state(walk)(plgpu.ACC.init(dq))  # waits for the last dQ product
-            pl.when(hi > lo)(lambda: k_release(hi - 1))
-            if masked_last:  # the diagonal or the window's right edge
-                lax.fori_loop(hi, p_hi, skip, None)
-        else:
-            dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi),
-                                           (lo, full_lo, full_hi, hi),
-                                           masked_first=masked_first, masked_last=masked_last)
+        # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
+        # window's right edge
+        dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
+                                       masked_first=cfg.window is not None,
+                                       masked_last=cfg.causal or cfg.window is not None
+                                       or cfg.kv_len % bk != 0)
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])
