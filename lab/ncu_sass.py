@@ -192,7 +192,7 @@ def report(kernels: list[Kernel], top: int = 15, reasons_shown: int = 6) -> str:
         for r in [r for r in rt if r != "selected"][:reasons_shown]:
             g = sorted(k.group_totals(r).items(), key=lambda x: -x[1])
             gs = ", ".join(f"{n} {_pct(v, rt[r])}" for n, v in g[:3] if v)
-            ins = ", ".join(f"#{i.index} {i.opcode} {i.reasons[r]}" for i in k.top(3, r)
+            ins = ", ".join(f"SASS {i.index} {i.opcode} {i.reasons[r]}" for i in k.top(3, r)
                             if i.reasons.get(r))
             out.append(f"* **{r}** {rt[r]} ({_pct(rt[r], t)}): {gs}; top: {ins}")
         out += ["", f"Top {top} instructions (# = index in the kernel's SASS):", "",
