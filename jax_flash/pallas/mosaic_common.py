@@ -210,45 +210,17 @@ def persistent_programs(programs, grid: tuple) -> int | None:
     return min(programs, math.prod(grid))
 
 
-def work_items(programs: int | None, grid: tuple, names: tuple, item, ring_steps):
-    """A kernel's walk over its work items, the same for the grid and for persistent programs.
-    ``item(*index)``: what a compute or producer warpgroup needs of the item at that grid index
-    (computed once, at the kernel's top, for the grid's own); ``ring_steps(item)``: the tiles it
-    streams. Returns ``run(body)``, which calls ``body(item, ring, n)`` for each item of the
-    program, ``ring`` the ring count before it and ``n`` the program's items before it, and returns
-    both counts after the last (None for the grid's one item, at 0, 0).
-    ``programs`` None: one item per program, grid ``grid`` with axes ``names``; else a
-    ``persistent_loop`` over the grid's items, in its order (the last axis fastest)."""
-    if programs is None:
-        only = item(*(lax.axis_index(n) for n in names))
-
-        def run(body):
-            body(only, 0, 0)
-
-        return run
-
-    def run(body):
-        def visit(index, counts):
-            ring, n = counts
-            place = []
-            for size in reversed(grid[1:]):
-                place.append(lax.rem(index, size))
-                index = lax.div(index, size)
-            it = item(index, *reversed(place))
-            body(it, ring, n)
-            return ring + ring_steps(it), n + 1
-
-        return persistent_loop(math.prod(grid), programs, visit, (jnp.int32(0), jnp.int32(0)))
-
-    return run
-
-
 def query_block_items(programs: int | None, q_shape, rows: int, bk: int, nk: int, cfg):
-    """``work_items`` of a kernel whose items are (batch, head, block of ``rows`` queries) and
-    which streams key tiles of ``bk`` (the forward, dQ): each item as (batch, head, first row,
-    p_lo, p_hi), [p_lo, p_hi) the key tiles its rows see (``tile.kv_tile_bounds``: the causal
-    diagonal, a window's edges), which the producer streams. Causal, the heaviest query blocks come
-    first: the short ones then fill the last wave."""
+    """The walk over the work items of a kernel whose items are (batch, head, block of ``rows``
+    queries) and which streams key tiles of ``bk`` (the forward, dQ): each item as (batch, head,
+    first row, p_lo, p_hi), [p_lo, p_hi) the key tiles its rows see (``tile.kv_tile_bounds``: the
+    causal diagonal, a window's edges), which the producer streams. Causal, the heaviest query
+    blocks come first: the short ones then fill the last wave. Returns ``run(body)``, which calls
+    ``body(item, ring, n)`` for each item of the program, ``ring`` the count of tiles streamed
+    before it and ``n`` the program's items before it, and returns both counts after the last
+    (None for the grid's one item, at 0, 0). ``programs`` None: one item per program of the grid
+    (batch, head, qblk); else a ``persistent_loop`` over the grid's items, in its order (the last
+    axis fastest)."""
     bsz, t, h = q_shape[:3]
 
     def item(batch, head, blk):
@@ -258,8 +230,27 @@ def query_block_items(programs: int | None, q_shape, rows: int, bk: int, nk: int
         p_lo, _, _, p_hi = tile.kv_tile_bounds(row0, rows, bk, nk, cfg)
         return batch, head, row0, p_lo, p_hi
 
-    return work_items(programs, (bsz, h, t // rows), ("batch", "head", "qblk"), item,
-                      lambda it: it[4] - it[3])
+    if programs is None:
+        only = item(*(lax.axis_index(n) for n in ("batch", "head", "qblk")))
+
+        def run(body):
+            body(only, 0, 0)
+
+        return run
+
+    def run(body):
+        def visit(index, counts):
+            ring, n = counts
+            blk, index = lax.rem(index, t // rows), lax.div(index, t // rows)
+            head = lax.rem(index, h)
+            it = item(lax.div(index, h), head, blk)
+            body(it, ring, n)
+            return ring + it[4] - it[3], n + 1
+
+        return persistent_loop(bsz * h * (t // rows), programs, visit,
+                               (jnp.int32(0), jnp.int32(0)))
+
+    return run
 
 
 def persistent_loop(n_items: int, programs: int, body, carry):
