@@ -397,3 +397,15 @@ def test_ring_that_cannot_fit_or_run_raises():
         fm.forward_mosaic(x, x, x, cfg, o_dtype=BF16, stages=4)
     with pytest.raises(ValueError, match="needs ≥ 2 stages"):
         fm.forward_mosaic(x, x, x, cfg, o_dtype=BF16, stages=1)
+
+
+def test_persistent_ring_that_fits():
+    """Persistent, each warpgroup has a second Q/O buffer: at head_dim 128 with 128-key tiles a ring
+    of 2 takes 198,792 bytes as counted (the figure docs/KERNELS.md gives), a ring of 3 does not
+    fit."""
+    x = jnp.zeros((1, 1024, 1, 128), BF16)
+    cfg = make_cfg(1024, 128, block_k=128)
+    assert mosaic_common.smem_bytes(fm.forward_scratch(128, 128, BF16, 2, persistent=True)) \
+        == 198_792
+    with pytest.raises(ValueError, match=r"3 stages need 264,360 bytes .*; at most 2 fit"):
+        fm.forward_mosaic(x, x, x, cfg, o_dtype=BF16, stages=3, programs=7)
