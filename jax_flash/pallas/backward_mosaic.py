@@ -389,8 +389,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     wg = lax.axis_index("wg")
     items = mosaic_common.query_block_items(None, q_ref.shape, KEYS, bk, nk, cfg)
 
-    def row_vector(ref):  # L or δ of the warpgroup's rows, broadcast along the keys: [rq, bk]
-        vec = ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    def row_vector(ref):  # L or δ of the warpgroup's rows: [rq], read once per query block
+        return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def along_keys(vec):  # [rq] → [rq, bk]
         return lax.broadcast_in_dim(vec, (rq, bk), [0])
 
     def compute(it, _ring, _n):
@@ -408,6 +410,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                                 dlt_ready.at[wg])
         for bar in (q_ready, do_ready, lse_ready, dlt_ready):
             plgpu.barrier_wait(bar.at[wg])
+        lse_v, dlt_v = row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg])
 
         def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
             slot = lax.rem(j - p_lo, stages)
@@ -428,8 +431,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
-            ds = ds_tile_dq(s, dp, row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg]), mask,
-                            cfg)
+            ds = ds_tile_dq(s, dp, along_keys(lse_v), along_keys(dlt_v), mask, cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
             if not interpret:  # dS from registers, dQ as the accumulator
 
