@@ -128,11 +128,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
     def wgmma_layout(x):
         return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
-    def row_vector(ref):  # L or δ of the block's queries, broadcast along the keys: [bk, bq]
-        if interpret:
-            vec = ref[...]
-        else:
-            vec = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+    def row_vector(ref):  # L or δ of the block's queries: [bq]
+        return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+    def along_keys(vec):  # [bq] → [bk, bq]
         return lax.broadcast_in_dim(vec, (bk, bq), [1])
 
     @pl.when(wg < COMPUTE_WGS)
@@ -164,19 +163,21 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             slot = lax.rem(base + b - p_lo, stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+            lse_v = row_vector(lse_smem.at[slot])  # read before Sᵀ's product: under its wait
 
             def sk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_tile.T)
                 return acc_ref[...]
 
             s_t = pl.run_scoped(sk, plgpu.ACC((bk, bq), jnp.float32))
-            plgpu.barrier_wait(lse_ready.at[slot])
-            lse_b = row_vector(lse_smem.at[slot])
             mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
                       if masked else None)
             pol = cfg.policy
-            p_t = p_tile(s_t, lse_b, mask_t, cfg)
+            p_t = p_tile(s_t, along_keys(lse_v), mask_t, cfg)
             plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(dlt_ready.at[slot])
+            dlt_v = row_vector(dlt_smem.at[slot])  # read before dV's and dPᵀ's products
             if not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
                 p_op = cast_rounded(p_t, pol.p_dtype)
 
@@ -202,8 +203,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 pdo, dp_t = pl.run_scoped(dv_dp, plgpu.ACC((bk, d), jnp.float32),
                                           plgpu.ACC((bk, bq), jnp.float32))
                 dv = dv + pdo
-            plgpu.barrier_wait(dlt_ready.at[slot])
-            ds_t = ds_tile(p_t, dp_t, row_vector(dlt_smem.at[slot]))
+            ds_t = ds_tile(p_t, dp_t, along_keys(dlt_v))
             if not interpret:
                 ds_op = cast_rounded(ds_t, pol.p_dtype)
 
