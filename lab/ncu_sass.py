@@ -46,7 +46,7 @@ GROUPS = [
     ("shared ld/st", {"LDS", "STS", "LDSM", "STSM", "ATOMS"}),
     ("barrier/sync", {"BAR", "SYNCS", "DEPBAR", "WARPSYNC", "BSYNC", "ARRIVES"}),
     ("fence", {"MEMBAR", "FENCE"}),
-    ("wgmma issue", {"HGMMA", "QGMMA", "IGMMA", "BGMMA", "HMMA"}),
+    ("wgmma start", {"HGMMA", "QGMMA", "IGMMA", "BGMMA", "HMMA"}),
     ("wgmma wait", set()),
     ("MUFU", {"MUFU"}),
     ("FP32 math", {"FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK"}),
@@ -69,7 +69,7 @@ def opcode(sass: str) -> str:
 
 def classify(op: str) -> str:
     if op.startswith("WARPGROUP."):
-        return "wgmma wait" if op.startswith(("WARPGROUP.DEPBAR", "WARPGROUP.WAIT")) else "wgmma issue"
+        return "wgmma wait" if op.startswith(("WARPGROUP.DEPBAR", "WARPGROUP.WAIT")) else "wgmma start"
     base = op.split(".")[0]
     for name, bases in GROUPS:
         if base in bases:
@@ -180,7 +180,7 @@ def report(kernels: list[Kernel], top: int = 15, reasons_shown: int = 6) -> str:
         loop = main_loop(k)
         hot = loop.instrs[0].executed if loop.instrs else 0
         head = (f"{t} samples over {len(k.instrs)} instructions, {t - rt.get('selected', 0)} of "
-                f"them not issued; {_pct(loop.total, t)} in the main loop ({len(loop.instrs)} "
+                f"them stalled; {_pct(loop.total, t)} in the main loop ({len(loop.instrs)} "
                 f"instructions, {hot} executions each).")
         out += [f"## {k.name}", "", head, "",
                 "| reason | samples | share |", "|---|---:|---:|"]

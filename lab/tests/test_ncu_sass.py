@@ -91,8 +91,8 @@ def test_gzip_and_plain_read_the_same(tmp_path):
     ("WARPSYNC.ALL", "barrier/sync"),
     ("MEMBAR.ALL.CTA", "fence"),
     ("FENCE.VIEW.ASYNC.S", "fence"),
-    ("HGMMA.64x128x16.F32.BF16 R88, R184, gdesc[UR28].tnspB, R88", "wgmma issue"),
-    ("WARPGROUP.ARRIVE", "wgmma issue"),
+    ("HGMMA.64x128x16.F32.BF16 R88, R184, gdesc[UR28].tnspB, R88", "wgmma start"),
+    ("WARPGROUP.ARRIVE", "wgmma start"),
     ("WARPGROUP.DEPBAR.LE gsb0, 0x0", "wgmma wait"),
     ("MUFU.EX2 R152, R185", "MUFU"),
     ("FFMA R1, R2, R3, R4", "FP32 math"),
@@ -113,7 +113,7 @@ def test_group_totals(kernels):
     dkdv, dq = kernels
     g = dkdv.group_totals()
     assert list(g) == ns.GROUP_NAMES  # every group, display order
-    assert (g["barrier/sync"], g["wgmma issue"], g["wgmma wait"], g["MUFU"], g["cp.async/TMA"],
+    assert (g["barrier/sync"], g["wgmma start"], g["wgmma wait"], g["MUFU"], g["cp.async/TMA"],
             g["shared ld/st"], g["other"]) == (105, 40, 60, 7, 7, 20, 3)
     assert sum(g.values()) == dkdv.total
     assert dkdv.group_totals("long_sb")["barrier/sync"] == 95
