@@ -105,6 +105,19 @@ def ds_tile(p_t, dp_t, delta_b):
 
 
 # ----------------------------------------------------------------------------------- the kernel
+def _query_vector(ref, query_axis: int, interpret: bool):
+    """L or δ of a tile's queries from shared memory, laid out as the WGMMA tile reduced over keys
+    (the tile's other axis), so it broadcasts along the keys with no shuffle."""
+    if interpret:
+        return ref[...]
+    plgpu = mosaic_common.plgpu()
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - query_axis))
+
+
+def _along_keys(vec, shape, query_axis: int):
+    return lax.broadcast_in_dim(vec, shape, [query_axis])
+
+
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scratch, *,
             cfg: Numerics, nq: int, stages: int, interpret: bool,
             regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
@@ -127,12 +140,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
 
     def wgmma_layout(x):
         return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-
-    def row_vector(ref):  # L or δ of the block's queries: [bq]
-        return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
-
-    def along_keys(vec):  # [bq] → [bk, bq]
-        return lax.broadcast_in_dim(vec, (bk, bq), [1])
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -164,7 +171,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse_ready.at[slot])
-            lse_v = row_vector(lse_smem.at[slot])  # read before Sᵀ's product: under its wait
+            # L is read before Sᵀ's product is issued, δ before dV's and dPᵀ's: under their waits
+            lse_v = _query_vector(lse_smem.at[slot], 1, interpret)
 
             def sk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_tile.T)
@@ -174,10 +182,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
                       if masked else None)
             pol = cfg.policy
-            p_t = p_tile(s_t, along_keys(lse_v), mask_t, cfg)
+            p_t = p_tile(s_t, _along_keys(lse_v, (bk, bq), 1), mask_t, cfg)
             plgpu.barrier_wait(do_ready.at[slot])
             plgpu.barrier_wait(dlt_ready.at[slot])
-            dlt_v = row_vector(dlt_smem.at[slot])  # read before dV's and dPᵀ's products
+            dlt_v = _query_vector(dlt_smem.at[slot], 1, interpret)
             if not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
                 p_op = cast_rounded(p_t, pol.p_dtype)
 
@@ -203,7 +211,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 pdo, dp_t = pl.run_scoped(dv_dp, plgpu.ACC((bk, d), jnp.float32),
                                           plgpu.ACC((bk, bq), jnp.float32))
                 dv = dv + pdo
-            ds_t = ds_tile(p_t, dp_t, along_keys(dlt_v))
+            ds_t = ds_tile(p_t, dp_t, _along_keys(dlt_v, (bk, bq), 1))
             if not interpret:
                 ds_op = cast_rounded(ds_t, pol.p_dtype)
 
@@ -389,12 +397,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
     wg = lax.axis_index("wg")
     items = mosaic_common.query_block_items(None, q_ref.shape, KEYS, bk, nk, cfg)
 
-    def row_vector(ref):  # L or δ of the warpgroup's rows: [rq], read once per query block
-        return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
-
-    def along_keys(vec):  # [rq] → [rq, bk]
-        return lax.broadcast_in_dim(vec, (rq, bk), [0])
-
     def compute(it, _ring, _n):
         batch, head, row0, p_lo, p_hi = it
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
@@ -410,7 +412,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
                                 dlt_ready.at[wg])
         for bar in (q_ready, do_ready, lse_ready, dlt_ready):
             plgpu.barrier_wait(bar.at[wg])
-        lse_v, dlt_v = row_vector(lse_smem.at[wg]), row_vector(dlt_smem.at[wg])
+        # L and δ of the warpgroup's rows, read once per query block
+        lse_v = _query_vector(lse_smem.at[wg], 0, interpret)
+        dlt_v = _query_vector(dlt_smem.at[wg], 0, interpret)
 
         def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
             slot = lax.rem(j - p_lo, stages)
@@ -431,7 +435,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
-            ds = ds_tile_dq(s, dp, along_keys(lse_v), along_keys(dlt_v), mask, cfg)
+            lse_b, dlt_b = _along_keys(lse_v, (rq, bk), 0), _along_keys(dlt_v, (rq, bk), 0)
+            ds = ds_tile_dq(s, dp, lse_b, dlt_b, mask, cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
             if not interpret:  # dS from registers, dQ as the accumulator
 
