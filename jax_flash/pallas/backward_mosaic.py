@@ -171,7 +171,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse_ready.at[slot])
-            # L is read before Sᵀ's product is issued, δ before dV's and dPᵀ's: under their waits
+            # L is read before Sᵀ's product is issued, under its wait; δ after dV's and dPᵀ's wait
+            # (read before them it holds registers across both products: more spills, slower)
             lse_v = _query_vector(lse_smem.at[slot], 1, interpret)
 
             def sk(acc_ref):
@@ -184,8 +185,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             pol = cfg.policy
             p_t = p_tile(s_t, _along_keys(lse_v, (bk, bq), 1), mask_t, cfg)
             plgpu.barrier_wait(do_ready.at[slot])
-            plgpu.barrier_wait(dlt_ready.at[slot])
-            dlt_v = _query_vector(dlt_smem.at[slot], 1, interpret)
             if not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
                 p_op = cast_rounded(p_t, pol.p_dtype)
 
@@ -211,6 +210,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 pdo, dp_t = pl.run_scoped(dv_dp, plgpu.ACC((bk, d), jnp.float32),
                                           plgpu.ACC((bk, bq), jnp.float32))
                 dv = dv + pdo
+            plgpu.barrier_wait(dlt_ready.at[slot])
+            dlt_v = _query_vector(dlt_smem.at[slot], 1, interpret)
             ds_t = ds_tile(p_t, dp_t, _along_keys(dlt_v, (bk, bq), 1))
             if not interpret:
                 ds_op = cast_rounded(ds_t, pol.p_dtype)
