@@ -260,9 +260,9 @@ def test_targets_table_from_records(tmp_path):
     # cuDNN over ours paired by round too, beside the medians' ratio (0.80× here): cuDNN 0.9 of ours
     # in every round but one, where it is 1.2 of ours; the median of the five ratios is 0.9
     ratio = [0.9, 0.9, 1.2, 0.9, 0.9]
-    speed = [dict(r, rounds_ms=[2.0 * d for d in drift]) if r["impl"] == "jax_flash" else r
-             for r in recs[:1]] + recs[1:4] + [dict(recs[4], rounds_ms=[
-                 2.0 * d * q for d, q in zip(drift, ratio)])] + recs[5:]
+    ours = dict(recs[0], rounds_ms=[2.0 * d for d in drift])
+    cudnn = dict(recs[4], rounds_ms=[2.0 * d * q for d, q in zip(drift, ratio)])
+    speed = [ours] + recs[1:4] + [cudnn] + recs[5:]
     assert "| 0.90× | 0.900× (0.900 … 1.200) |" in bench.targets(speed)
     # the same records without the causal mask, after the causal ones: a row of their own
     full = [dict(r, causal=False, ms=r["ms"] * (2.2 if r["stable"] else 2.0)) for r in recs]
