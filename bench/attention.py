@@ -306,6 +306,13 @@ def paired_median(a_rounds, b_rounds, n_boot=10000, seed=0):
     return float(np.median(ratios)), (float(lo), float(hi))
 
 
+def _paired(a, b):
+    """``paired_median`` of records a and b's per-round times; None where either has none."""
+    if a and b and a.get("rounds_ms") and b.get("rounds_ms"):
+        return paired_median(a["rounds_ms"], b["rounds_ms"])
+    return None
+
+
 def _stable_extra(records, shape, pss, causal=True):
     """The stable kernel's extra time: paired by round where the records carry per-round times
     (median of the rounds' ratios, 90 % interval), else the ratio of the two medians."""
@@ -313,8 +320,8 @@ def _stable_extra(records, shape, pss, causal=True):
     s, b = get(True), get(False)
     if not (s and b):
         return "—"
-    if s.get("rounds_ms") and b.get("rounds_ms"):
-        med, (lo, hi) = paired_median(s["rounds_ms"], b["rounds_ms"])
+    if paired := _paired(s, b):
+        med, (lo, hi) = paired
         return f"{100 * (med - 1):+.1f} % ({100 * (lo - 1):+.1f} … {100 * (hi - 1):+.1f})"
     return f"{100 * (s['ms'] / b['ms'] - 1):+.1f} %"
 
@@ -322,11 +329,11 @@ def _stable_extra(records, shape, pss, causal=True):
 def _paired_speed(records, shape, pss, causal=True):
     """cuDNN's time over ours (fa2, baseline) paired by round: the median of the rounds' ratios and
     its 90 % interval, "—" where the records carry no per-round times."""
-    other = _record(records, shape, causal, pss, "cudnn", None, None)
-    ours = _record(records, shape, causal, pss, "jax_flash", "fa2", False)
-    if not (other and ours and other.get("rounds_ms") and ours.get("rounds_ms")):
+    paired = _paired(_record(records, shape, causal, pss, "cudnn"),
+                     _record(records, shape, causal, pss, "jax_flash", "fa2", False))
+    if not paired:
         return "—"
-    med, (lo, hi) = paired_median(other["rounds_ms"], ours["rounds_ms"])
+    med, (lo, hi) = paired
     return f"{med:.3f}× ({lo:.3f} … {hi:.3f})"
 
 
