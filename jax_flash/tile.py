@@ -489,15 +489,13 @@ def kv_tile_bounds(q_start, bq: int, bk: int, nk: int, cfg: Numerics, lengths=No
     q_end, kv_len = q_start + bq, cfg.kv_len
     if lengths is not None:
         q_end, kv_len = jnp.minimum(q_end, lengths[0]), lengths[1]
-    k_lo, k_hi = 0, kv_len  # keys that some row may see: [k_lo, k_hi)
+    k_lo, k_hi = 0, _kv_seen_end(q_end, kv_len, cfg)  # keys that some row may see: [k_lo, k_hi)
     f_lo, f_hi = 0, kv_len  # keys that every row sees: [f_lo, f_hi)
     if cfg.causal:
-        k_hi = jnp.minimum(k_hi, q_end)
         f_hi = jnp.minimum(f_hi, q_start + 1)
     if cfg.window is not None:
         left, right = cfg.window
         k_lo = jnp.maximum(q_start - left, 0)
-        k_hi = jnp.minimum(k_hi, q_end + right)
         f_lo = jnp.maximum(q_start + bq - 1 - left, 0)
         f_hi = jnp.minimum(f_hi, q_start + right + 1)
     lo = jnp.minimum(k_lo // bk, nk)
@@ -509,6 +507,27 @@ def kv_tile_bounds(q_start, bq: int, bk: int, nk: int, cfg: Numerics, lengths=No
     if lengths is not None:  # a row past q_len is masked: no tile is mask-free then
         full_hi = jnp.where(q_start + bq <= lengths[0], full_hi, full_lo)
     return lo, full_lo, full_hi, hi
+
+
+def _kv_seen_end(q_end, kv_len, cfg: Numerics):
+    """One past the last key that a row before ``q_end`` may see."""
+    k_hi = kv_len
+    if cfg.causal:
+        k_hi = jnp.minimum(k_hi, q_end)
+    if cfg.window is not None:
+        k_hi = jnp.minimum(k_hi, q_end + cfg.window[1])
+    return k_hi
+
+
+def kv_half_last(q_start, bq: int, bk: int, cfg: Numerics, bounds):
+    """1 where the rows [q_start, q_start + bq) see none of the second half of their last tile
+    (tile hi − 1 of ``bounds``, ``kv_tile_bounds``' for them) and that tile is one of the masked
+    trailing ones [full_hi, hi), else 0. A kernel may then run that tile on its first bk / 2 keys:
+    the other half holds masked scores only, whose exps are exact zeros, so every max, sum and
+    product over the tile takes the same values in the same order, with zeros left off its end."""
+    _, _, full_hi, hi = bounds
+    k_hi = _kv_seen_end(q_start + bq, cfg.kv_len, cfg)
+    return ((hi > full_hi) & (k_hi <= (hi - 1) * bk + bk // 2)).astype(jnp.int32)
 
 
 def q_block_bounds(k_start, bq: int, bk: int, nq: int, cfg: Numerics, lengths=None):

@@ -417,26 +417,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         lse_v = _query_vector(lse_smem.at[wg], 0, interpret)
         dlt_v = _query_vector(dlt_smem.at[wg], 0, interpret)
 
-        def step(j, dq, masked: bool):  # j: the key tile; j − p_lo: its place in the ring
+        def step(j, dq, masked: bool, half: bool = False):
+            # j: the key tile; j − p_lo: its place in the ring; half: its first bk / 2 keys
             slot = lax.rem(j - p_lo, stages)
-            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+            n = bk // 2 if half else bk
+            k_tile, v_tile = (r.at[slot, pl.ds(0, n)] for r in (k_smem, v_smem))
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, k_tile.T)
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((rq, bk), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((rq, n), jnp.float32))
             plgpu.barrier_wait(v_ready.at[slot])
 
             def dov(acc_ref):
                 plgpu.wgmma(acc_ref, do_tile, v_tile.T)
                 return acc_ref[...]
 
-            dp = pl.run_scoped(dov, plgpu.ACC((rq, bk), jnp.float32))
+            dp = pl.run_scoped(dov, plgpu.ACC((rq, n), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
-            mask = tile.tile_mask(rows, j * bk, rq, bk, cfg) if masked else None
-            lse_b, dlt_b = _along_keys(lse_v, (rq, bk), 0), _along_keys(dlt_v, (rq, bk), 0)
+            mask = tile.tile_mask(rows, j * bk, rq, n, cfg) if masked else None
+            lse_b, dlt_b = _along_keys(lse_v, (rq, n), 0), _along_keys(dlt_v, (rq, n), 0)
             ds = ds_tile_dq(s, dp, lse_b, dlt_b, mask, cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
             if not interpret:  # dS from registers, dQ as the accumulator
@@ -446,7 +448,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
                 dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
             else:  # the interpreter: dS through shared memory, tile.py's dq + (dS·K)
-                ds_stage = staging[0].at[wg]
+                ds_stage = staging[0].at[wg, :, pl.ds(0, n)]
                 ds_stage[...] = ds
                 plgpu.commit_smem()
 
@@ -469,10 +471,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
         dq = dq if interpret else plgpu.layout_cast(dq, plgpu.Layout.WGMMA)
         # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
         # window's right edge
-        dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
+        bounds = (lo, full_lo, full_hi, hi)
+        dq = mosaic_common.visit_tiles(step, skip, dq, (p_lo, p_hi), bounds,
                                        masked_first=cfg.window is not None,
                                        masked_last=cfg.causal or cfg.window is not None
-                                       or cfg.kv_len % bk != 0)
+                                       or cfg.kv_len % bk != 0,
+                                       half_last=mosaic_common.half_last(rows, rq, bk, cfg, bounds))
         q_tile[...] = (dq * cfg.sm_scale).astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[mine])

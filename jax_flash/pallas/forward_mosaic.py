@@ -30,7 +30,7 @@ from .. import tile
 from ..rounding import native_casts
 from ..spec import Numerics
 from . import mosaic_common
-from .mosaic_common import exp2_backend as _exp2, unsupported_masks
+from .mosaic_common import exp2_backend as _exp2, half_last, unsupported_masks
 
 ROWS_PER_WG = 64  # wgmma's M: the query rows of one compute warpgroup
 COMPUTE_WGS = 2
@@ -112,20 +112,23 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         # warpgroup 1 starts one turn behind, so that the two alternate from the first tile
         pl.when(wg == 1)(take_turn)
 
-        def step(j, carry, masked: bool):  # j: the key tile; base + j − p_lo: its place in the ring
+        def step(j, carry, masked: bool, half: bool = False):
+            # j: the key tile; base + j − p_lo: its place in the ring; half: its first bk / 2 keys
             slot = ring_slot(base, j - p_lo)
+            keys = bk // 2 if half else bk
+            k_tile, v_tile = (r.at[slot, pl.ds(0, keys)] for r in (k_smem, v_smem))
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].T)
+                plgpu.wgmma(acc_ref, qo, k_tile.T)
                 take_turn()  # the QKᵀ is issued: the other warpgroup's softmax may end
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, keys), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             if not cfg.scale_late:  # tile.forward_scores for "fa2"
                 s = s * cfg.score_scale
-            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, bk, cfg) if masked else None
+            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
             m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
                                                                 floor=tile.floor_positive)
             acc = carry.acc * alpha[:, None]  # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
@@ -137,17 +140,18 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
             if not interpret:  # P̄ from registers, acc·α as the accumulator: acc·α + P̄·V in the MMA
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_bar, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p_bar, v_tile)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             else:
                 # jax 0.11's GPU interpreter has neither run_state nor a register wgmma operand:
                 # P̄ goes through shared memory, and the sum is tile.py's acc·α + (P̄·V)
-                p_smem.at[wg][...] = p_bar
+                p_stage = p_smem.at[wg, :, pl.ds(0, keys)]
+                p_stage[...] = p_bar
                 plgpu.commit_smem()
 
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p_stage, v_tile)
                     return acc_ref[...]
 
                 acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS_PER_WG, d), jnp.float32))
@@ -170,10 +174,12 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         # window's right edge
         # the last tile is masked under a causal diagonal, a window's right edge or a length that
         # ends inside a tile (the tiles past the length are not streamed)
-        carry = mosaic_common.visit_tiles(step, skip, carry, (p_lo, p_hi), (lo, full_lo, full_hi, hi),
+        bounds = (lo, full_lo, full_hi, hi)
+        carry = mosaic_common.visit_tiles(step, skip, carry, (p_lo, p_hi), bounds,
                                           masked_first=cfg.window is not None,
                                           masked_last=cfg.causal or cfg.window is not None
-                                          or cfg.kv_len % bk != 0)
+                                          or cfg.kv_len % bk != 0,
+                                          half_last=half_last(rows, ROWS_PER_WG, bk, cfg, bounds))
         pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
 
         o, lse = tile.finish(carry, cfg)

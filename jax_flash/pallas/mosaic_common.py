@@ -119,12 +119,15 @@ class Stream(NamedTuple):
     # stream's free barrier already covers this slot
 
 
-def visit_tiles(step, skip, carry, program, bounds, *, masked_first: bool, masked_last: bool):
+def visit_tiles(step, skip, carry, program, bounds, *, masked_first: bool, masked_last: bool,
+                half_last=None):
     """A consumer's walk over the program's tiles ``program = (p_lo, p_hi)``: with
     ``bounds = (lo, full_lo, full_hi, hi)``, tiles [p_lo, lo) and [hi, p_hi) only release their ring
     slot (``skip(j, None)``), [lo, full_lo) and [full_hi, hi) run ``step(j, carry, masked=True)``,
     [full_lo, full_hi) ``masked=False``. ``masked_first`` / ``masked_last``: whether the leading /
-    trailing edge can hold masked or unseen tiles at all (without, those loops are not emitted)."""
+    trailing edge can hold masked or unseen tiles at all (without, those loops are not emitted).
+    ``half_last``: ``tile.kv_half_last`` (traced 0 or 1), tile hi − 1 then runs
+    ``step(j, carry, masked=True, half=True)``, on the first half of its keys."""
     p_lo, p_hi = program
     lo, full_lo, full_hi, hi = bounds
     if masked_first:
@@ -132,9 +135,26 @@ def visit_tiles(step, skip, carry, program, bounds, *, masked_first: bool, maske
         carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     if masked_last:
-        carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+        end = hi if half_last is None else hi - half_last
+        carry = lax.fori_loop(full_hi, end, functools.partial(step, masked=True), carry)
+        if half_last is not None:  # a loop of 0 or 1 steps: one code path, no branch to merge
+            carry = lax.fori_loop(end, hi, functools.partial(step, masked=True, half=True), carry)
         lax.fori_loop(hi, p_hi, skip, None)
     return carry
+
+
+# A warpgroup's last tile runs on its first half of keys where its rows see none of the second
+# (tile.kv_half_last): wgmma takes 64 keys, so only 128-key tiles are halved. The same values in the
+# same order (tests flip this to compare); saves a causal diagonal's masked half
+HALF_LAST = True
+
+
+def half_last(rows, bq: int, bk: int, cfg, bounds):
+    """``visit_tiles``' ``half_last`` for a warpgroup's rows [rows, rows + bq): None where no tile is
+    halved (tiles under 128 keys, or ``HALF_LAST`` off)."""
+    if not HALF_LAST or bk < 128:
+        return None
+    return tile.kv_half_last(rows, bq, bk, cfg, bounds)
 
 
 def stream_ring(streams, stages: int, n):
