@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -289,6 +290,30 @@ def test_interpreted_dq_key_tiles(rng, assert_close, shape, causal, stable):
     assert_close(wide, jnp_dq, 2 * bound, "dQ vs jnp")
     assert_close(wide, exact, bound, "dQ vs float64")
     print(f"bitwise with 64-key tiles: {np.mean(f64(wide) == f64(narrow)):.4f}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (300, 40))], ids=["causal", "window"])
+def test_interpreted_dq_half_last_tile_changes_no_bit(rng, monkeypatch, causal, window):
+    """The dQ kernel on 128-key tiles: a warpgroup's last tile run on its first 64 keys where its
+    rows see none of the rest (``mosaic_common.HALF_LAST``) gives dQ equal to the whole tile's bit
+    for bit, races checked: the unseen half's dS is zero, left off the end of the product."""
+    shape = (1, 384, 1, 128)
+    cfg = dataclasses.replace(make_cfg(shape[1], shape[-1], causal=causal, stable=True),
+                              window=window)
+    q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg, tied=True)
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
+
+    out = {}
+    for half in (True, False):
+        monkeypatch.setattr(mosaic_common, "HALF_LAST", half)
+        monkeypatch.setattr(helpers, "_COMPILED", {})  # traced again under each setting
+        interp.gpu_callbacks.reset_gpu_interpret_mode_state()
+        out[half] = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
+                           interpret=interpret_params(), keys=128)
+        jax.block_until_ready(out[half])
+        assert not interp.get_races().races_found
+    chex.assert_trees_all_equal(out[True], out[False])
 
 
 def test_dq_key_tiles_are_checked():

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -361,6 +362,26 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
     cfg = make_cfg(shape[1], shape[-1], causal=True, stable=True, block_k=64)
     base = _interpreted(q, k, v, cfg)
     chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, stages=2), base)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (300, 40))], ids=["causal", "window"])
+def test_interpreted_half_last_tile_changes_no_bit(rng, monkeypatch, causal, window):
+    """A warpgroup's last 128-key tile run on its first 64 keys where its rows see none of the rest
+    (``mosaic_common.HALF_LAST``: warpgroup 0's causal diagonal, a window's right edge) gives O and
+    L equal to the whole tile's bit for bit, stable shift on tied rows, races checked: the unseen
+    half's exps are zeros, left off the end of every sum. Halving a tile whose second half some
+    row sees fails it."""
+    shape = (1, 384, 1, 128)
+    q, k, v = tied_inputs(rng, shape, pairs=((3, 5), (130, 140)))
+    cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=True, block_k=128)
+    cfg = dataclasses.replace(cfg, window=window)
+    out = {}
+    for half in (True, False):
+        monkeypatch.setattr(mosaic_common, "HALF_LAST", half)
+        monkeypatch.setattr(helpers, "_COMPILED", {})  # traced again under each setting
+        out[half] = _interpreted(q, k, v, cfg)
+    chex.assert_trees_all_equal(out[True], out[False])
 
 
 @needs_interpreter

@@ -289,6 +289,31 @@ def test_transposed_tile_mask_is_the_transpose(causal):
         np.testing.assert_array_equal(np.asarray(mt), np.asarray(m).T)
 
 
+@pytest.mark.parametrize("causal,window,kv_len", [
+    (True, None, 512), (True, None, 450), (False, (100, 0), 512), (False, (60, 40), 512),
+    (True, (200, 0), 300), (False, (300, 1), 512), (False, None, 450)])
+def test_kv_half_last_only_where_the_second_half_is_unseen(causal, window, kv_len):
+    """``tile.kv_half_last`` says 1 exactly where the rows' last tile is a masked trailing one and
+    its mask holds no visible key in the second half (so a kernel may run that tile on its first
+    half), for every 64-row block of 512 rows with 128-key tiles; it fires somewhere in each case
+    with a causal or right window edge."""
+    bq, bk, t = 64, 128, 512
+    cfg = dataclasses.replace(config(), causal=causal, window=window, kv_len=kv_len, q_len=kv_len)
+    fired = 0
+    for q_start in range(0, t, bq):
+        bounds = tile.kv_tile_bounds(q_start, bq, bk, t // bk, cfg)
+        lo, _, full_hi, hi = (int(b) for b in bounds)
+        half = int(tile.kv_half_last(q_start, bq, bk, cfg, bounds))
+        if hi == lo:
+            assert half == 0
+            continue
+        mask = np.asarray(tile.tile_mask(q_start, (hi - 1) * bk, bq, bk, cfg))
+        assert mask[:, : bk // 2].any()  # the last tile holds a visible key in its first half
+        assert half == int(hi > full_hi and not mask[:, bk // 2:].any()), q_start
+        fired += half
+    assert fired > 0 or (not causal and window is None)
+
+
 def test_exp2_flush_to_zero_of_fa2():
     """``Policy.exp_ftz`` ("fa2"): outside compiled kernels exp2 results below 2⁻¹²⁶ (the FP32
     subnormals) are 0, as the GPU's ex2.approx.ftz gives them; above, ``tile.exp2`` unchanged.
