@@ -13,11 +13,13 @@ the rest run without a mask; under a window only the query blocks that see the k
 (``tile.q_block_bounds``), the edge blocks masked. Under GQA a program owns keys of one key/value
 head and streams the query blocks of its group's query heads one head after the other.
 
-The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure: 128 query rows per program in two compute
-warpgroups, K and V tiles streamed by a producer warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ,
-dQ += bf16(dS)·K. Chosen by ``Launch.bwd_kernel``: "mosaic" (both kernels) or "mosaic_dkdv" (dQ
-stays Triton's); ``jax_flash.plan`` runs the Triton kernels instead where ``check`` says these do
-not cover the call, or raises if the caller asked for them.
+The dQ kernel (``dq_mosaic``, same contract as the Triton dQ kernel) has the forward's structure:
+128 query rows per program in two compute warpgroups, K and V tiles streamed by a producer
+warpgroup; per key tile S = Q·Kᵀ, dP = dO·Vᵀ, dQ += bf16(dS)·K; on 128-key tiles a warpgroup's last
+tile may run on its first 64 keys, as the forward's (``mosaic_common.half_last``). Chosen by
+``Launch.bwd_kernel``: "mosaic" (both kernels) or "mosaic_dkdv" (dQ stays Triton's);
+``jax_flash.plan`` runs the Triton kernels instead where ``check`` says these do not cover the call,
+or raises if the caller asked for them.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.

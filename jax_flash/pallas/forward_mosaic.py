@@ -6,6 +6,8 @@ a ring of shared-memory stages, ``wgmma`` for Q·Kᵀ and P̄·V, and warpgroup 
 owns 128 query rows: two compute warpgroups of 64 rows each (wgmma's M) and one producer warpgroup
 that streams the key tiles K_j, V_j for both, in order, only those its rows see (the causal
 diagonal, a window's edges: ``tile.kv_tile_bounds``); under GQA a query head reads its group's K, V.
+A warpgroup whose rows see none of its last 128-key tile's second half runs that tile on its first
+64 keys (``mosaic_common.half_last``): the same values, less work on the causal diagonal.
 With ``Launch.mosaic_fwd_persistent`` (the head_dim-128 tuning entries) one program per SM takes
 those blocks in turn, its K/V ring running on across them and the next block's Q loaded early.
 
