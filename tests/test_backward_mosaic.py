@@ -293,7 +293,8 @@ def test_interpreted_dq_key_tiles(rng, assert_close, shape, causal, stable):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("causal,window", [(True, None), (False, (300, 40))], ids=["causal", "window"])
+@pytest.mark.parametrize("causal,window", [
+    (True, None), pytest.param(False, (300, 40), marks=pytest.mark.slow)], ids=["causal", "window"])
 def test_interpreted_dq_half_last_tile_changes_no_bit(rng, monkeypatch, causal, window):
     """The dQ kernel on 128-key tiles: a warpgroup's last tile run on its first 64 keys where its
     rows see none of the rest (``mosaic_common.HALF_LAST``) gives dQ equal to the whole tile's bit

@@ -365,7 +365,8 @@ def test_interpreted_ring_depth_changes_no_bit(rng):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("causal,window", [(True, None), (False, (300, 40))], ids=["causal", "window"])
+@pytest.mark.parametrize("causal,window", [
+    (True, None), pytest.param(False, (300, 40), marks=pytest.mark.slow)], ids=["causal", "window"])
 def test_interpreted_half_last_tile_changes_no_bit(rng, monkeypatch, causal, window):
     """A warpgroup's last 128-key tile run on its first 64 keys where its rows see none of the rest
     (``mosaic_common.HALF_LAST``: warpgroup 0's causal diagonal, a window's right edge) gives O and
