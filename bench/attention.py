@@ -49,7 +49,8 @@ def _timed(f, args, reps, sync=jax.block_until_ready, calls=1):
     return float(np.median(times)) * 1e3
 
 
-def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round=None):
+def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round=None,
+                      warm_ms=0.0):
     """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
     ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike
     (timed one after another, a fn inherits whatever state the GPU was in during its turn, e.g. its
@@ -64,7 +65,12 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
     ``args``: one tuple for every fn, or a dict name → tuple (e.g. float16 inputs for a kernel that
     takes no bfloat16). ``per_round``: a dict that receives, per fn, each round's ms (the median of
     its calls, or the round's mean under ``sync="round"``) — paired samples for ``python -m lab.ab
-    ratio``."""
+    ratio``.
+
+    ``warm_ms``: before each sample, a fn runs back to back, untimed, for at least this long, so that
+    every sample is taken in the state the fn's own sustained load brings the GPU to. Under a power
+    cap a kernel timed right after a slow, low-power neighbour runs its first tens of ms at higher
+    clocks; without a warm-up that favours whatever follows the slow implementations."""
     arg_of = args if isinstance(args, dict) else {name: args for name in fns}
     if sync not in ("call", "round"):
         raise ValueError(f"sync must be 'call' or 'round', got {sync!r}")
@@ -85,6 +91,7 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
         # a round on a GPU the previous round left hot, changes from round to round
         for name, f in (reversed(ready.items()) if r % 2 else ready.items()):
             args = arg_of[name]
+            _warm(f, args, reps, warm_ms)
             if sync == "round":
                 t0 = time.perf_counter()
                 jax.block_until_ready([f(*args) for _ in range(reps)])
@@ -99,6 +106,13 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
     if per_round is not None:
         per_round.update(rounds_ms)
     return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+
+
+def _warm(f, args, reps, warm_ms):
+    """Run ``f`` back to back, ``reps`` calls between waits, until ``warm_ms`` have passed."""
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < warm_ms:
+        jax.block_until_ready([f(*args) for _ in range(reps)])
 
 
 def _jax_impls(causal):
@@ -197,9 +211,11 @@ def _torch_records(shape, causal, passes, reps, base, rounds=1):
     return out
 
 
-def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print, rounds=5, sync="call"):
+def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print, rounds=5, sync="call",
+        warm_ms=0.0):
     """Records for every implementation; per (shape, causal, pass) the JAX ones are timed interleaved
-    (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all), PyTorch's after them."""
+    (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all, each sample after
+    ``warm_ms`` of the same calls), PyTorch's after them."""
     records = []
     dev = jax.devices()[0].device_kind
     per_round = max(1, -(-reps // rounds))
@@ -208,13 +224,13 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
         q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
         for causal in causal_modes:
             base = dict(shape=list(shape), causal=causal, jax_version=jax.__version__, device=dev,
-                        sync=sync)
+                        sync=sync, **({"warm_ms": warm_ms} if warm_ms else {}))
             impls = {(impl, policy, stable): f for impl, policy, stable, f in _jax_impls(causal)}
             for pss in passes:
                 fns = {key: _jax_pass(f, pss) for key, f in impls.items()}
                 rounds_ms = {}
                 ms = timed_interleaved(fns, (q, k, v), per_round, rounds, sync=sync,
-                                       per_round=rounds_ms,
+                                       per_round=rounds_ms, warm_ms=warm_ms,
                                        log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
                 for (impl, policy, stable), t in ms.items():
                     extra = kernels(q, causal, policy, stable, pss) if impl == "jax_flash" else {}
@@ -479,7 +495,8 @@ def _dropin_impls(kv_heads, window, n_heads, q=None, k=None):
             q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)))
 
 
-def dropin(reps, rounds=5, passes=("fwd", "fwd+bwd"), log=print, sync="round", cases=DROPIN_CASES):
+def dropin(reps, rounds=5, passes=("fwd", "fwd+bwd"), log=print, sync="round", cases=DROPIN_CASES,
+           warm_ms=0.0):
     """Records for ``DROPIN_CASES``: every implementation of a case and pass timed interleaved
     (``timed_interleaved``), with ``jax_flash.dot_product_attention_plan``'s executor, kernels and
     notes beside jax-flash's. Speed ratios: ``dropin_table``."""
@@ -498,12 +515,13 @@ def dropin(reps, rounds=5, passes=("fwd", "fwd+bwd"), log=print, sync="round", c
         impls = {(impl, stable): f for impl, stable, f in _dropin_impls(kv_heads, window, n, q, k)}
         base = dict(case=name, shape=list(shape), kv_heads=kv_heads,
                     window=None if window is None else list(window), causal=True,
-                    jax_version=jax.__version__, device=dev, sync=sync)
+                    jax_version=jax.__version__, device=dev, sync=sync,
+                    **({"warm_ms": warm_ms} if warm_ms else {}))
         for pss in passes:
             fns = {key: _jax_pass(f, pss) for key, f in impls.items()}
             rounds_ms = {}
             ms = timed_interleaved(fns, (q, k, v), per_round, rounds, sync=sync, per_round=rounds_ms,
-                                   log=lambda m, p=pss: log(f"{name} {p} {m}"))
+                                   log=lambda m, p=pss: log(f"{name} {p} {m}"), warm_ms=warm_ms)
             for (impl, stable), t_ms in ms.items():
                 rec = dict(base, impl=impl, policy="fa2" if impl.startswith("jax_flash") else None,
                            stable=stable, **{"pass": pss}, ms=t_ms,
@@ -545,6 +563,9 @@ def main(argv=None):
     ap.add_argument("--sync", choices=("call", "round"), default="call",
                     help="call: wait for every call (each sample has the per-call host time in it); "
                          "round: dispatch a round's calls back to back, wait once (kernel throughput)")
+    ap.add_argument("--warm-ms", type=float, default=0.0,
+                    help="before each sample, the same calls back to back, untimed, this long "
+                         "(timed_interleaved: each sample in its own sustained state)")
     ap.add_argument("--memory-lengths", default="8192,16384", help="'' to skip")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")
@@ -586,7 +607,7 @@ def main(argv=None):
                 ap.error(f"--cases: unknown {unknown}; DROPIN_CASES has "
                          f"{[c[0] for c in DROPIN_CASES]}")
             cases = tuple(c for c in DROPIN_CASES if c[0] in names)
-        records = dropin(args.reps, args.rounds, sync=args.sync, cases=cases)
+        records = dropin(args.reps, args.rounds, sync=args.sync, cases=cases, warm_ms=args.warm_ms)
         device = jax.devices()[0].device_kind.replace(" ", "_")
         out = args.out or f"bench/results/{datetime.date.today()}-{device}-dropin.json"
         with open(out, "w") as f:
@@ -597,7 +618,7 @@ def main(argv=None):
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     masks = args.masks or ("causal,full" if args.non_causal else "causal")
     modes = tuple(m == "causal" for m in masks.split(","))
-    records = run(shapes, args.reps, modes, rounds=args.rounds, sync=args.sync)
+    records = run(shapes, args.reps, modes, rounds=args.rounds, sync=args.sync, warm_ms=args.warm_ms)
     mem = memory([int(t) for t in args.memory_lengths.split(",") if t])
     device = jax.devices()[0].device_kind.replace(" ", "_")
     out = args.out or f"bench/results/{datetime.date.today()}-{device}.json"

@@ -148,7 +148,7 @@ def _attention_fn_table(mod, entry, mosaic, causal, policy, stable):
 
 
 def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=True, policy="fa2",
-        log=print, out=None, sync="call"):
+        log=print, out=None, sync="call", warm_ms=0.0):
     import jax
     import jax.numpy as jnp
 
@@ -171,7 +171,8 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
                    for spec in variants}
             per_round = {}
             ms = timed_interleaved(fns, args, reps, rounds, sync=sync, per_round=per_round,
-                                   log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
+                                   log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"),
+                                   warm_ms=warm_ms)
             first = next(iter(ms.values()), None)
             for spec in ms:
                 version, _, stable = parse_variant(spec)
@@ -187,7 +188,7 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
                     shape=list(shape), causal=causal, **{"pass": pss}, ms=ms[spec],
                     tflops=pass_flops(shape, causal, pss) / ms[spec] / 1e9,
                     jax_version=jax.__version__, device=jax.devices()[0].device_kind, sync=sync,
-                    rounds_ms=per_round[spec], **ran))
+                    **({"warm_ms": warm_ms} if warm_ms else {}), rounds_ms=per_round[spec], **ran))
                 log(f"{'x'.join(map(str, shape))} {pss} {spec:>24}: {ms[spec]:8.3f} ms  "
                     f"×{ms[spec] / first:.3f} of {next(iter(ms))}")
             if out:  # after every case, so a cut-off run keeps what it measured
@@ -263,6 +264,8 @@ def main(argv=None):
     r.add_argument("--sync", choices=("call", "round"), default="call",
                    help="bench.attention.timed_interleaved: wait per call, or once per round of calls")
     r.add_argument("--non-causal", action="store_true", help="without the causal mask")
+    r.add_argument("--warm-ms", type=float, default=0.0,
+                   help="before each sample, the variant's calls back to back, untimed, this long")
     t = sub.add_parser("table", help="print the markdown table of result files")
     t.add_argument("files", nargs="+")
     pr = sub.add_parser("ratio", help="paired per-round ratio of two variants, with a 90 %% interval")
@@ -282,7 +285,7 @@ def main(argv=None):
     entries = json.loads(Path(args.entries).read_text())
     run(args.old, [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
         args.passes.split(","), args.variants.split(","), args.rounds, args.reps, entries=entries,
-        causal=not args.non_causal, out=args.out, sync=args.sync)
+        causal=not args.non_causal, out=args.out, sync=args.sync, warm_ms=args.warm_ms)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,32 @@ def test_timed_interleaved_round_sync_waits_once_per_round():
         bench.timed_interleaved({"s": sleepy}, (0,), reps=1, rounds=1, sync="never")
 
 
+def test_warm_up_precedes_every_sample(monkeypatch):
+    """``warm_ms``: before each sample a fn runs back to back, in batches of ``reps`` calls, until
+    that long has passed, and only then is timed: on a fake clock, a fn of 4 ms with reps=2 and a
+    20-ms warm-up runs 3 batches (24 ms) untimed before each of its samples; the timed figure is
+    unchanged, and no warm-up (the default) adds no call."""
+    now, seq = [0.0], []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+
+    def takes(name, seconds):
+        def f(x):
+            seq.append(name)
+            now[0] += seconds
+            return x
+        return f
+
+    fns = {"a": takes("a", 0.004), "b": takes("b", 0.008)}
+    for warm_ms, per_sample in ((20.0, {"a": 3 * 2 + 2, "b": 2 * 2 + 2}), (0.0, {"a": 2, "b": 2})):
+        seq.clear()
+        ms = bench.timed_interleaved(fns, (jax.numpy.ones(2),), reps=2, rounds=2, sync="round",
+                                     warm_ms=warm_ms)
+        np.testing.assert_allclose([ms["a"], ms["b"]], [4.0, 8.0])
+        expected = (["a"] * per_sample["a"] + ["b"] * per_sample["b"]  # after the compile calls
+                    + ["b"] * per_sample["b"] + ["a"] * per_sample["a"])
+        assert seq[4:] == expected, warm_ms
+
+
 def test_per_round_times_pair_the_variants(monkeypatch):
     """``per_round`` receives each round's time per fn (on a fake clock: a fn that takes 2 units
     against one that takes 1 reads ×2 in every round, in both sync modes), and ``paired_median``
