@@ -67,8 +67,8 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
     its calls, or the round's mean under ``sync="round"``) — paired samples for ``python -m lab.ab
     ratio``.
 
-    ``warm_ms``: before each sample, a fn runs back to back, untimed, for at least this long, so that
-    every sample is taken in the state the fn's own sustained load brings the GPU to. Under a power
+    ``warm_ms``: before each sample, a fn runs back to back, untimed, for at least this long, so
+    that every sample is taken in the state the fn's own sustained load brings the GPU to. Under a power
     cap a kernel timed right after a slow, low-power neighbour runs its first tens of ms at higher
     clocks; without a warm-up that favours whatever follows the slow implementations."""
     arg_of = args if isinstance(args, dict) else {name: args for name in fns}
@@ -211,8 +211,8 @@ def _torch_records(shape, causal, passes, reps, base, rounds=1):
     return out
 
 
-def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print, rounds=5, sync="call",
-        warm_ms=0.0):
+def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print, rounds=5,
+        sync="call", warm_ms=0.0):
     """Records for every implementation; per (shape, causal, pass) the JAX ones are timed interleaved
     (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all, each sample after
     ``warm_ms`` of the same calls), PyTorch's after them."""
@@ -618,7 +618,8 @@ def main(argv=None):
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     masks = args.masks or ("causal,full" if args.non_causal else "causal")
     modes = tuple(m == "causal" for m in masks.split(","))
-    records = run(shapes, args.reps, modes, rounds=args.rounds, sync=args.sync, warm_ms=args.warm_ms)
+    records = run(shapes, args.reps, modes, rounds=args.rounds, sync=args.sync,
+                  warm_ms=args.warm_ms)
     mem = memory([int(t) for t in args.memory_lengths.split(",") if t])
     device = jax.devices()[0].device_kind.replace(" ", "_")
     out = args.out or f"bench/results/{datetime.date.today()}-{device}.json"

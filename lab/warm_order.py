@@ -53,7 +53,8 @@ def run(shape, warm_ms, repeats, rounds, reps, causal=True, log=print):
 def summary(result) -> str:
     """A markdown line per run: warm-up, cuDNN/fa2 paired by round with its 90 % interval, and the
     spread of each one's per-round times."""
-    lines = ["| warm-up ms | cuDNN/fa2, paired | fa2 rounds ms | cuDNN rounds ms |", "|---|---|---|---|"]
+    lines = ["| warm-up ms | cuDNN/fa2, paired | fa2 rounds ms | cuDNN rounds ms |",
+             "|---|---|---|---|"]
     for warm, runs in result["runs"].items():
         for one in runs:
             fa2, cud = one["rounds_ms"][FA2], one["rounds_ms"][CUDNN]
