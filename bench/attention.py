@@ -2,14 +2,15 @@
 PyTorch's flash kernel, plus compiled memory footprints.
 
     python -m bench.attention [--shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128] [--reps 30]
-        [--rounds 5] [--non-causal] [--memory-lengths 8192,16384] [--out FILE.json] [--md OUT.md]
-        [--plot OUT.png]
+        [--rounds 5] [--non-causal] [--warm-ms 300] [--memory-lengths 8192,16384] [--out FILE.json]
+        [--md OUT.md] [--plot OUT.png]
     python -m bench.attention --from-json bench/results/FILE.json --md OUT.md   # re-render, no GPU
     python -m bench.attention --dropin [--reps 30] [--rounds 5] [--out FILE.json]
         # jax_flash.dot_product_attention on GQA and a sliding window beside cuDNN (DROPIN_CASES)
 
 Method: bfloat16 inputs; every implementation compiled and warmed up, then timed in one process,
-the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``), ≥ ``--reps``
+the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``; each
+sample after ``--warm-ms`` of the same calls back to back, untimed), ≥ ``--reps``
 calls each; a figure is the median. FLOPs count the two matrix products of the forward, 4·B·H·T²·D
 (half of it causal), and the backward as 2.5 forwards (fwd+bwd: 3.5×), so every implementation is
 divided by the same work whatever it computes. Interpretation of the results: docs/PERFORMANCE.md.
@@ -68,9 +69,9 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
     ratio``.
 
     ``warm_ms``: before each sample, a fn runs back to back, untimed, for at least this long, so
-    that every sample is taken in the state the fn's own sustained load brings the GPU to. Under a power
-    cap a kernel timed right after a slow, low-power neighbour runs its first tens of ms at higher
-    clocks; without a warm-up that favours whatever follows the slow implementations."""
+    that every sample is taken in the state the fn's own sustained load brings the GPU to. Under a
+    power cap a kernel timed right after a slow, low-power neighbour runs its first tens of ms at
+    higher clocks; without a warm-up that favours whatever follows the slow implementations."""
     arg_of = args if isinstance(args, dict) else {name: args for name in fns}
     if sync not in ("call", "round"):
         raise ValueError(f"sync must be 'call' or 'round', got {sync!r}")
@@ -563,9 +564,9 @@ def main(argv=None):
     ap.add_argument("--sync", choices=("call", "round"), default="call",
                     help="call: wait for every call (each sample has the per-call host time in it); "
                          "round: dispatch a round's calls back to back, wait once (kernel throughput)")
-    ap.add_argument("--warm-ms", type=float, default=0.0,
+    ap.add_argument("--warm-ms", type=float, default=300.0,
                     help="before each sample, the same calls back to back, untimed, this long "
-                         "(timed_interleaved: each sample in its own sustained state)")
+                         "(timed_interleaved: each sample in its own sustained state; 0: none)")
     ap.add_argument("--memory-lengths", default="8192,16384", help="'' to skip")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")

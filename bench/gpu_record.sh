@@ -76,7 +76,7 @@ fi
 if [[ " $parts " == *" dropin "* ]]; then
   # jax_flash.dot_product_attention beside cuDNN and XLA (GQA, a window, its causal baseline),
   # kernel throughput: a round's calls back to back, one wait
-  timeout "${DROPIN_TIMEOUT:-240}" python3 -m bench.attention --dropin --sync round --reps 20 --rounds 4 \
+  timeout "${DROPIN_TIMEOUT:-300}" python3 -m bench.attention --dropin --sync round --reps 20 --rounds 4 \
     --out "$OUT/dropin.json" > "$OUT/dropin.log" 2>&1; r=$?; [ $r -ne 0 ] && rc=$r
   echo "dropin: exit $r"; tail -32 "$OUT/dropin.log"
 fi

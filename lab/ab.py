@@ -3,7 +3,7 @@
     python -m lab.ab prepare REV                      # here: writes build/ab/REV/jax_flash (git archive)
     python -m lab.ab run [--old build/ab/REV] [--variants new,new:stable,cudnn,old]
         [--entries lab/entries.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd]
-        [--rounds 5] [--reps 10] [--non-causal] [--out FILE.json]  # on the GPU (carry build/ab)
+        [--rounds 5] [--reps 10] [--non-causal] [--warm-ms 0] [--out FILE.json]  # on the GPU
     python -m lab.ab table FILE.json [...]            # markdown table of runs
     python -m lab.ab ratio FILE.json [--variant new:stable] [--base new]  # paired per-round ratio
 
