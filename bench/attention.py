@@ -70,7 +70,7 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
 
     ``warm_ms``: before each sample, a fn runs back to back, untimed, for at least this long, so
     that every sample is taken in the state the fn's own sustained load brings the GPU to. Under a
-    power cap a kernel timed right after a slow, low-power neighbour runs its first tens of ms at
+    power cap a kernel timed right after a slow, low-power neighbour runs its first ~100 ms at
     higher clocks; without a warm-up that favours whatever follows the slow implementations."""
     arg_of = args if isinstance(args, dict) else {name: args for name in fns}
     if sync not in ("call", "round"):

@@ -4,9 +4,10 @@ times them, alternately without and with a warm-up before each sample (``timed_i
 ``warm_ms``), each setting run ``--repeats`` times in one process.
 
     python -m lab.warm_order [--shape 4x8192x16x128] [--warm-ms 300] [--repeats 2]
-        [--rounds 10] [--reps 6] [--out FILE.json]
+        [--rounds 10] [--reps 6] [--non-causal] [--out FILE.json]
+    python -m lab.warm_order --from-json FILE.json   # its summary again, no GPU
 
-Prints per run cuDNN's time over fa2's paired by round (``bench.attention.paired_median``) and both
+Prints per run cuDNN's time over fa2's paired by round (``bench.attention.paired_median``) and each
 one's per-round times: without a warm-up, a kernel timed right after a slow neighbour (XLA's
 attention, the Pallas mha) gets the GPU at clocks the cap has not yet lowered, and its rounds
 alternate with the order; with one, each sample is taken in its own sustained state.
