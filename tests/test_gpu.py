@@ -200,19 +200,22 @@ def test_gpu_candidate_launches_change_no_value(name, call, launch):
         assert_same_numerics(f"{name} {what}", a, b, t)
 
 
-def test_gpu_dq_key_tiles_change_no_bit():
-    """``mosaic_dq_keys=128`` only regroups work: the Mosaic dQ kernel's dS·K products continue one
-    accumulator in the same key order. On tied rows under the stable shift, O, dQ, dK and dV bitwise
-    those of the shipped launch at the same call."""
+@pytest.mark.parametrize("field,one,other", [("mosaic_dq_keys", 64, 128),
+                                             ("mosaic_dq_coissue", False, True)])
+def test_gpu_dq_launches_change_no_bit(field, one, other):
+    """The Mosaic dQ kernel's launch options only regroup or reschedule work: 128-key tiles continue
+    one accumulator with the same dS·K products in the same key order; S's and dP's products
+    issued together fill fresh accumulators as one at a time do. On tied rows under the stable
+    shift, O, dQ, dK and dV bitwise under either setting, the shipped launch's other fields kept."""
     shape = (2, 2048, 4, 128)
     q, k, v = tied_qkv(7, shape)
     do = randn(8, shape)
     base = jf.plan(q, k, v, impl="pallas", causal=True, stable=True).launch
-    assert base != jf.Launch(), "the shape has a shipped entry"
-    cand = dataclasses.replace(base, mosaic_dq_keys=128)
+    assert base.bwd_kernel == "mosaic", "the shape has a shipped Mosaic entry"
     kw = dict(causal=True, stable=True, impl="pallas")
-    chex.assert_trees_all_equal(run(q, k, v, do, launch=cand, **kw),
-                                run(q, k, v, do, launch=base, **kw))
+    a, b = (run(q, k, v, do, launch=dataclasses.replace(base, **{field: x}), **kw)
+            for x in (one, other))
+    chex.assert_trees_all_equal(a, b)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
