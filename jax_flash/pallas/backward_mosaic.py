@@ -200,7 +200,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             else:
                 # jax 0.11's GPU interpreter has neither run_state nor a register wgmma operand:
                 # Pᵀ goes through shared memory, and the sum is tile.py's dv + (Pᵀ·dO)
-                p_stage, ds_stage = staging[0].at[wg], staging[1].at[wg]
+                p_stage = staging[0].at[wg]
                 p_stage[...] = cast_rounded(p_t, pol.p_dtype)
                 plgpu.commit_smem()
 
@@ -215,22 +215,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             plgpu.barrier_wait(dlt_ready.at[slot])
             dlt_v = _query_vector(dlt_smem.at[slot], 1, interpret)
             ds_t = ds_tile(p_t, dp_t, _along_keys(dlt_v, (bk, bq), 1))
-            if not interpret:
-                ds_op = cast_rounded(ds_t, pol.p_dtype)
-
-                def dk_mma(dk_ref):
-                    plgpu.wgmma(dk_ref, ds_op, q_tile)
-
-                dk = pl.run_state(dk_mma)(plgpu.ACC.init(dk))
-            else:
-                ds_stage[...] = cast_rounded(ds_t, pol.p_dtype)
-                plgpu.commit_smem()
-
-                def dk_mma(dk_ref):
-                    plgpu.wgmma(dk_ref, ds_stage, q_tile)
-                    return dk_ref[...]
-
-                dk = dk + pl.run_scoped(dk_mma, plgpu.ACC((bk, d), jnp.float32))
+            ds_stage = staging[1].at[wg] if interpret else None
+            dk = mosaic_common.mma_into(dk, cast_rounded(ds_t, pol.p_dtype), q_tile, ds_stage,
+                                        interpret)
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
 
@@ -454,22 +441,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             lse_b, dlt_b = _along_keys(lse_v, (rq, n), 0), _along_keys(dlt_v, (rq, n), 0)
             ds = ds_tile_dq(s, dp, lse_b, dlt_b, mask, cfg)
             ds = cast_rounded(ds, cfg.policy.p_dtype)
-            if not interpret:  # dS from registers, dQ as the accumulator
-
-                def dsk(acc_ref):
-                    plgpu.wgmma(acc_ref, ds, k_tile)
-
-                dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
-            else:  # the interpreter: dS through shared memory, tile.py's dq + (dS·K)
-                ds_stage = staging[0].at[wg, :, pl.ds(0, n)]
-                ds_stage[...] = ds
-                plgpu.commit_smem()
-
-                def dsk(acc_ref):
-                    plgpu.wgmma(acc_ref, ds_stage, k_tile)
-                    return acc_ref[...]
-
-                dq = dq + pl.run_scoped(dsk, plgpu.ACC((rq, d), jnp.float32))
+            # dS from registers, dQ as the accumulator
+            ds_stage = staging[0].at[wg, :, pl.ds(0, n)] if interpret else None
+            dq = mosaic_common.mma_into(dq, ds, k_tile, ds_stage, interpret)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 

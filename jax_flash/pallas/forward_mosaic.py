@@ -140,23 +140,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             if PINGPONG:
                 plgpu.barrier_wait(turn)
 
-            if not interpret:  # P̄ from registers, acc·α as the accumulator: acc·α + P̄·V in the MMA
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_bar, v_tile)
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            else:
-                # jax 0.11's GPU interpreter has neither run_state nor a register wgmma operand:
-                # P̄ goes through shared memory, and the sum is tile.py's acc·α + (P̄·V)
-                p_stage = p_smem.at[wg, :, pl.ds(0, keys)]
-                p_stage[...] = p_bar
-                plgpu.commit_smem()
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_stage, v_tile)
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS_PER_WG, d), jnp.float32))
+            # P̄ from registers, acc·α as the accumulator: acc·α + P̄·V in the MMA
+            p_stage = p_smem.at[wg, :, pl.ds(0, keys)] if interpret else None
+            acc = mosaic_common.mma_into(acc, p_bar, v_tile, p_stage, interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return tile.Carry(m_new, l_new, acc, None)
 

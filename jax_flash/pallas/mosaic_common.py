@@ -149,6 +149,29 @@ def visit_tiles(step, skip, carry, program, bounds, *, masked_first: bool, maske
 HALF_LAST = True
 
 
+def mma_into(acc, a, b, stage, interpret: bool):
+    """acc + a·b by one wgmma, ``a`` a value in registers. Compiled, ``acc`` is the product's
+    accumulator (the sum inside the MMA). jax 0.11's GPU interpreter has neither run_state nor a
+    register operand: there ``a`` goes through the shared-memory ``stage`` and the product is added
+    to ``acc`` apart (tile.py's sum)."""
+    from jax.experimental import pallas as pl
+
+    gpu = plgpu()
+    if not interpret:
+        def accumulate(acc_ref):
+            gpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(accumulate)(gpu.ACC.init(acc))
+    stage[...] = a
+    gpu.commit_smem()
+
+    def product(acc_ref):
+        gpu.wgmma(acc_ref, stage, b)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(product, gpu.ACC(acc.shape, jnp.float32))
+
+
 def half_last(rows, bq: int, bk: int, cfg, bounds):
     """``visit_tiles``' ``half_last`` for a warpgroup's rows [rows, rows + bq): None where no tile is
     halved (tiles under 128 keys, or ``HALF_LAST`` off)."""
