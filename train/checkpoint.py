@@ -21,7 +21,6 @@ checkpoints are moved aside, never deleted.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -30,6 +29,8 @@ import subprocess
 from pathlib import Path
 
 import jax
+
+from train.data import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -66,21 +67,13 @@ def code_version() -> dict:
             "packages": versions}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def file_digests(step_dir: Path) -> dict[str, dict]:
     """{relative path: {"bytes", "sha256"}} of every file under step_dir except the manifest."""
     out = {}
     for p in sorted(step_dir.rglob("*")):
         rel = p.relative_to(step_dir).as_posix()
         if p.is_file() and rel != MANIFEST:
-            out[rel] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            out[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return out
 
 
@@ -102,7 +95,7 @@ def check_step_dir(step_dir: Path) -> str | None:
         size = p.stat().st_size
         if size != want["bytes"]:
             return f"{rel} has {size} bytes, {want['bytes']} were written"
-        if _sha256(p) != want["sha256"]:
+        if sha256_file(p) != want["sha256"]:
             return f"{rel} does not match its sha256"
     return None
 

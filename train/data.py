@@ -374,7 +374,8 @@ def resolve_sources(spec: str | list[str]) -> list[Source]:
 # prepare: documents -> shuffled -> <|endoftext|>-separated GPT-2 tokens -> train.bin / val.bin
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -498,7 +499,7 @@ def prepare(out: str | Path, sources: str | list[str], *, max_mb: float | None =
         "total_tokens": int(len(tokens)),
         "train_tokens": int(len(tokens) - val_tokens),
         "val_tokens": int(val_tokens),
-        "sha256": {"train.bin": _sha256(out / "train.bin"), "val.bin": _sha256(out / "val.bin")},
+        "sha256": {"train.bin": sha256_file(out / "train.bin"), "val.bin": sha256_file(out / "val.bin")},
         "tokenize_seconds": round(t_tok, 2),
         "prepare_seconds": round(time.perf_counter() - t0, 2),
     }
@@ -526,7 +527,7 @@ def load_tokens(path: str | Path, *, verify: bool = False) -> TokenData:
         meta = json.loads((p / "meta.json").read_text())
         if verify:
             for name, want in meta["sha256"].items():
-                if _sha256(p / name) != want:
+                if sha256_file(p / name) != want:
                     raise DataError(f"{p / name} does not match the sha256 in meta.json")
         tr = np.memmap(p / "train.bin", dtype=TOKEN_DTYPE, mode="r")
         va = np.memmap(p / "val.bin", dtype=TOKEN_DTYPE, mode="r")
