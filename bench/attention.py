@@ -383,6 +383,31 @@ def targets(records):
     return "\n".join(lines) + "\n"
 
 
+ORDER_CHECKED = (("fa2", "jax_flash", "fa2", False), ("fa2 stable", "jax_flash", "fa2", True),
+                 ("cuDNN", "cudnn", None, None))
+
+
+def order_check(records, pss="fwd+bwd"):
+    """Per case, each of ``ORDER_CHECKED``'s median time over the rounds run in the listed order
+    (the even ones) against the rounds run in reverse (``timed_interleaved``): far from 1 means the
+    implementation's time depended on what ran just before it, e.g. a slow neighbour under a power
+    cap (what ``--warm-ms`` is for). "—" without per-round times (or fewer than 4 rounds)."""
+    head = " | ".join(label for label, *_ in ORDER_CHECKED)
+    lines = [f"\n### Order check ({pss}: median of the forward-order rounds over the reversed ones)",
+             f"| shape | {head} |", "|---" * (len(ORDER_CHECKED) + 1) + "|"]
+    cases = dict.fromkeys((tuple(r["shape"]), r["causal"]) for r in records)
+    for shape, causal in sorted(cases, key=lambda c: not c[1]):
+        cells = []
+        for _, impl, policy, stable in ORDER_CHECKED:
+            r = _record(records, shape, causal, pss, impl, policy, stable)
+            rounds = (r or {}).get("rounds_ms") or []
+            cells.append(f"×{np.median(rounds[0::2]) / np.median(rounds[1::2]):.3f}"
+                         if len(rounds) >= 4 else "—")
+        lines.append(f"| {'×'.join(map(str, shape))}{'' if causal else ', no mask'} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 SERIES = (("jax-flash fa2", "jax_flash", "fa2", False), ("jax-flash fa2 stable", "jax_flash", "fa2", True),
           ("jax-flash paper", "jax_flash", "paper", False), ("cuDNN", "cudnn", None, None),
           ("PyTorch FA2", "torch_flash", None, None), ("JAX Pallas mha", "jax_pallas_mha", None, None),
@@ -435,8 +460,12 @@ def plot(records, path, title=""):
 def write_markdown(path, records, mem, source, device, version, date):
     with open(path, "w") as f:
         sync = records[0].get("sync", "call") if records else "call"
+        warm = records[0].get("warm_ms") if records else None
+        timing = f"sync per {sync}" + (f", each sample after {warm:g} ms of its own calls" if warm
+                                       else ", no warm-up")
         f.write(f"# Attention benchmarks\n\n`python -m bench.attention` on {device}, jax {version}, "
-                f"{date} (`{source}`; timing: sync per {sync}).\n" + markdown(records, mem) + targets(records))
+                f"{date} (`{source}`; timing: {timing}).\n" + markdown(records, mem)
+                + targets(records) + order_check(records))
     print("wrote", path)
 
 

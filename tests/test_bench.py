@@ -297,6 +297,31 @@ def test_targets_table_from_records(tmp_path):
                     "| 32×1024×12×64, no mask | 0.80× | 1.50× | +15.5 % | +65.0 % | — | 0.90× | — |"]
 
 
+def test_order_check_compares_forward_and_reversed_rounds(tmp_path):
+    """The order check divides an implementation's median over the rounds run in the listed order
+    (even) by its median over the reversed ones (odd): rounds alternating 8.0 / 7.4 ms read
+    ×1.081, steady ones ×1.000; without per-round times, or with fewer than 4, "—". The rendered
+    file carries it, and says whether its samples followed a warm-up."""
+    import json
+
+    def rec(impl, rounds, policy=None, stable=None, causal=True):
+        return dict(impl=impl, policy=policy, stable=stable, shape=[4, 8192, 16, 128],
+                    causal=causal, **{"pass": "fwd+bwd"}, ms=7.7, tflops=1.0, jax_version="x",
+                    device="Test GPU", sync="round", **({"rounds_ms": rounds} if rounds else {}))
+
+    recs = [rec("jax_flash", [8.0, 7.4] * 3, "fa2", False), rec("jax_flash", [7.5] * 6, "fa2", True),
+            rec("cudnn", None), rec("cudnn", [7.0, 7.1, 7.0], causal=False)]
+    rows = [line for line in bench.order_check(recs).splitlines() if line.startswith("| 4")]
+    assert rows == ["| 4×8192×16×128 | ×1.081 | ×1.000 | — |",
+                    "| 4×8192×16×128, no mask | — | — | — |"]
+    path = tmp_path / "2026-01-02-Test_GPU.json"
+    for warm, says in ((None, "no warm-up"), (300.0, "each sample after 300 ms of its own calls")):
+        path.write_text(json.dumps([dict(r, **({"warm_ms": warm} if warm else {})) for r in recs]))
+        bench.main(["--from-json", str(path), "--md", str(tmp_path / "B.md")])
+        md = (tmp_path / "B.md").read_text()
+        assert says in md and "| 4×8192×16×128 | ×1.081 |" in md
+
+
 @pytest.mark.slow  # experiment tooling, 5–15 s: JAX_FLASH_SLOW=1 (make test-all)
 def test_tune_one_searches_launches_on_cpu(monkeypatch):
     """bench.tune's search on a tiny shape with one Triton launch (the kernels run interpreted, so
