@@ -27,6 +27,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
 import time
 
@@ -75,12 +76,14 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
     arg_of = args if isinstance(args, dict) else {name: args for name in fns}
     if sync not in ("call", "round"):
         raise ValueError(f"sync must be 'call' or 'round', got {sync!r}")
-    ready = {}
+    ready, call_ms = {}, {}  # call_ms: a fn's last measured time of one call, for its warm-ups
     for name, f in fns.items():
         args = arg_of[name]
         try:  # compile + warm-up
             jax.block_until_ready(f(*args))
+            t0 = time.perf_counter()
             jax.block_until_ready(f(*args))
+            call_ms[name] = (time.perf_counter() - t0) * 1e3
         except Exception as e:  # unavailable for this shape/backend: say why, go on
             log(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -92,28 +95,32 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
         # a round on a GPU the previous round left hot, changes from round to round
         for name, f in (reversed(ready.items()) if r % 2 else ready.items()):
             args = arg_of[name]
-            _warm(f, args, reps, warm_ms)
+            _warm(f, args, warm_ms, call_ms[name])
             if sync == "round":
                 t0 = time.perf_counter()
                 jax.block_until_ready([f(*args) for _ in range(reps)])
                 times[name].append((time.perf_counter() - t0) / reps)
                 rounds_ms[name].append(times[name][-1] * 1e3)
-                continue
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(*args))
-                times[name].append(time.perf_counter() - t0)
-            rounds_ms[name].append(float(np.median(times[name][-reps:])) * 1e3)
+            else:
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(*args))
+                    times[name].append(time.perf_counter() - t0)
+                rounds_ms[name].append(float(np.median(times[name][-reps:])) * 1e3)
+            call_ms[name] = rounds_ms[name][-1]
     if per_round is not None:
         per_round.update(rounds_ms)
     return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 
-def _warm(f, args, reps, warm_ms):
-    """Run ``f`` back to back, ``reps`` calls between waits, until ``warm_ms`` have passed."""
+def _warm(f, args, warm_ms, call_ms):
+    """Run ``f`` back to back until ``warm_ms`` have passed: as many calls as ``call_ms`` (its last
+    measured time of one call) says fill what is left, then one wait, again if that fell short; a
+    fn slower than ``warm_ms`` runs once."""
     t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < warm_ms:
-        jax.block_until_ready([f(*args) for _ in range(reps)])
+    while (left := warm_ms - (time.perf_counter() - t0) * 1e3) > 0:
+        calls = max(1, math.ceil(left / max(call_ms, 1e-3)))
+        jax.block_until_ready([f(*args) for _ in range(calls)])
 
 
 def _jax_impls(causal):

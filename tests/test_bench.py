@@ -138,10 +138,10 @@ def test_timed_interleaved_round_sync_waits_once_per_round():
 
 
 def test_warm_up_precedes_every_sample(monkeypatch):
-    """``warm_ms``: before each sample a fn runs back to back, in batches of ``reps`` calls, until
-    that long has passed, and only then is timed: on a fake clock, a fn of 4 ms with reps=2 and a
-    20-ms warm-up runs 3 batches (24 ms) untimed before each of its samples; the timed figure is
-    unchanged, and no warm-up (the default) adds no call."""
+    """``warm_ms``: before each sample a fn runs back to back, as many calls as its last measured
+    call time says fill that long, and only then is timed: on a fake clock, with a 20-ms warm-up a
+    fn of 4 ms runs 5 calls untimed before each of its samples, one of 8 ms 3 (24 ms), one of 50 ms
+    a single call; the timed figures are unchanged, and no warm-up (the default) adds no call."""
     now, seq = [0.0], []
     monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
 
@@ -152,15 +152,16 @@ def test_warm_up_precedes_every_sample(monkeypatch):
             return x
         return f
 
-    fns = {"a": takes("a", 0.004), "b": takes("b", 0.008)}
-    for warm_ms, per_sample in ((20.0, {"a": 3 * 2 + 2, "b": 2 * 2 + 2}), (0.0, {"a": 2, "b": 2})):
-        seq.clear()
-        ms = bench.timed_interleaved(fns, (jax.numpy.ones(2),), reps=2, rounds=2, sync="round",
-                                     warm_ms=warm_ms)
-        np.testing.assert_allclose([ms["a"], ms["b"]], [4.0, 8.0])
-        expected = (["a"] * per_sample["a"] + ["b"] * per_sample["b"]  # after the compile calls
-                    + ["b"] * per_sample["b"] + ["a"] * per_sample["a"])
-        assert seq[4:] == expected, warm_ms
+    fns = {"a": takes("a", 0.004), "b": takes("b", 0.008), "c": takes("c", 0.05)}
+    for warm_ms, warm in ((20.0, {"a": 5, "b": 3, "c": 1}), (0.0, {"a": 0, "b": 0, "c": 0})):
+        for sync in ("round", "call"):
+            seq.clear()
+            ms = bench.timed_interleaved(fns, (jax.numpy.ones(2),), reps=2, rounds=2, sync=sync,
+                                         warm_ms=warm_ms)
+            np.testing.assert_allclose([ms["a"], ms["b"], ms["c"]], [4.0, 8.0, 50.0])
+            order = ["a", "b", "c", "c", "b", "a"]
+            expected = [n for n in order for _ in range(warm[n] + 2)]  # after the compile calls
+            assert seq[6:] == expected, (warm_ms, sync)
 
 
 def test_per_round_times_pair_the_variants(monkeypatch):
