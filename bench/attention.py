@@ -116,11 +116,14 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
 def _warm(f, args, warm_ms, call_ms):
     """Run ``f`` back to back until ``warm_ms`` have passed: as many calls as ``call_ms`` (its last
     measured time of one call) says fill what is left, then one wait, again if that fell short; a
-    fn slower than ``warm_ms`` runs once."""
+    fn slower than ``warm_ms`` runs once. Only the last call's result is kept: hundreds of results
+    held at once (one per call of a fast fn) would fill the GPU's memory; the calls run in order on
+    one stream, so waiting for the last waits for all."""
     t0 = time.perf_counter()
     while (left := warm_ms - (time.perf_counter() - t0) * 1e3) > 0:
-        calls = max(1, math.ceil(left / max(call_ms, 1e-3)))
-        jax.block_until_ready([f(*args) for _ in range(calls)])
+        for _ in range(max(1, math.ceil(left / max(call_ms, 1e-3)))):
+            out = f(*args)
+        jax.block_until_ready(out)
 
 
 def _jax_impls(causal):

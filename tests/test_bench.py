@@ -164,6 +164,35 @@ def test_warm_up_precedes_every_sample(monkeypatch):
             assert seq[6:] == expected, (warm_ms, sync)
 
 
+def test_warm_up_keeps_one_result_alive(monkeypatch):
+    """The warm-up's results are dropped as it goes: a fast fn's hundreds of warm-up calls, each
+    result held until one wait, once filled an 80-GB GPU. On a fake clock, 50 calls of 0.1 ms fill
+    5 ms, and no more than two results (the one held, the one being made) are ever alive."""
+    import weakref
+
+    now, alive, peak = [0.0], [0], [0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+
+    class Out:
+        def block_until_ready(self):
+            return self
+
+    def f(x):
+        now[0] += 1e-4
+        out = Out()
+        alive[0] += 1
+        peak[0] = max(peak[0], alive[0])
+        weakref.finalize(out, lambda: alive.__setitem__(0, alive[0] - 1))
+        return out
+
+    calls = []
+    monkeypatch.setattr(bench, "jax", type("J", (), {"block_until_ready": staticmethod(
+        lambda x: calls.append(x) or x)}))
+    bench._warm(f, (0,), 5.0, 0.1)
+    assert now[0] == pytest.approx(5e-3) and len(calls) == 1
+    assert peak[0] <= 2, peak[0]
+
+
 def test_per_round_times_pair_the_variants(monkeypatch):
     """``per_round`` receives each round's time per fn (on a fake clock: a fn that takes 2 units
     against one that takes 1 reads ×2 in every round, in both sync modes), and ``paired_median``
