@@ -152,9 +152,6 @@ class Launch:
     # Mosaic dQ kernel: keys a streamed K/V tile holds, 64 or 128 (None: 64); dQ sums the same
     # products in the same key order either way, only in longer MMAs and fewer ring steps
     mosaic_dq_keys: int | None = None
-    # Mosaic dQ kernel: a key tile's S and dP products issued together, one wait, instead of S's
-    # awaited before dP's is issued. The same products into fresh accumulators: only the schedule.
-    mosaic_dq_coissue: bool = False
     # Mosaic forward: one program per SM, each taking (batch, head, query block) items in turn with
     # one K/V ring across them, so the next item's loads overlap this one's end. Only the schedule.
     mosaic_fwd_persistent: bool = False
@@ -174,7 +171,7 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("mosaic_fwd_persistent", "heavy_first", "mosaic_dq_coissue"):
+        for name in ("mosaic_fwd_persistent", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:

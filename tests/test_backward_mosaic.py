@@ -142,8 +142,8 @@ def test_plan_keeps_the_table_choice_only_where_it_covers(monkeypatch, kernel):
 def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     """backward.py's hook: for ``Launch.bwd_kernel`` "mosaic" / "mosaic_dkdv" dK and dV are the
     Mosaic kernel's (given q, k, v, dO, L, δ as the Triton kernel gets them, the gradients' dtype,
-    the launch's ring depth and register split), dQ the Mosaic dQ kernel's (and its key tile and
-    schedule) or (dK/dV only) still the Triton kernel's; for "triton" nothing of it runs."""
+    the launch's ring depth and register split), dQ the Mosaic dQ kernel's (and its key tile)
+    or (dK/dV only) still the Triton kernel's; for "triton" nothing of it runs."""
     shape = (1, 128, 1, 64)
     cfg = make_cfg(128, 64)
     q, k, v, do = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), BF16)
@@ -154,8 +154,8 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
 
     def fake(fill):
         def kernel(q, k, v, do, lse, dlt, cfg, *, out_dtype, interpret=None, stages=None,
-                   regs=None, keys=None, coissue=None):
-            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, (keys, coissue)))
+                   regs=None, keys=None):
+            seen.append(((q, k, v, do, lse, dlt), cfg, out_dtype, stages, regs, keys))
             out = tuple(jnp.full(shape, x, out_dtype) for x in fill)
             return out if len(out) > 1 else out[0]
         return kernel
@@ -165,11 +165,11 @@ def test_hook_in_backward_runs_them(monkeypatch, with_dq):
     base = pb.backward(q, k, v, do, lse, dlt, cfg, jf.Launch(), out_dtype=BF16)
     assert not seen
     launch = jf.Launch(bwd_kernel="mosaic" if with_dq else "mosaic_dkdv", mosaic_bwd_stages=2,
-                       mosaic_bwd_regs=(240, 24), mosaic_dq_keys=128, mosaic_dq_coissue=True)
+                       mosaic_bwd_regs=(240, 24), mosaic_dq_keys=128)
     dq, dk, dv = pb.backward(q, k, v, do, lse, dlt, cfg, launch, out_dtype=BF16)
     assert len(seen) == (2 if with_dq else 1)
-    # the dK/dV kernel is called first; the dQ kernel takes the key tile and the schedule
-    assert [s[-1] for s in seen] == [(None, None), (128, True)][:len(seen)]
+    # the dK/dV kernel is called first; the dQ kernel takes the key tile
+    assert [s[-1] for s in seen] == [None, 128][:len(seen)]
     for args, got_cfg, out_dtype, stages, regs, *_ in seen:
         for a, b in zip(args, (q, k, v, do, lse, dlt)):
             assert a is b
@@ -317,27 +317,6 @@ def test_interpreted_dq_half_last_tile_changes_no_bit(rng, monkeypatch, causal, 
     chex.assert_trees_all_equal(out[True], out[False])
 
 
-@needs_interpreter
-@pytest.mark.parametrize("keys,causal", [(128, True), pytest.param(64, False, marks=pytest.mark.slow)],
-                         ids=["k128-causal", "k64-full"])
-def test_interpreted_dq_coissue_changes_no_bit(rng, keys, causal):
-    """``Launch.mosaic_dq_coissue``: S's and dP's products issued together into fresh accumulators
-    give dQ equal to the one-at-a-time schedule's bit for bit, races checked."""
-    shape = (1, 384, 1, 128)
-    cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=True)
-    q, k, v, do, o, lse, dlt = _inputs(rng, shape, cfg, tied=True)
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
-
-    out = {}
-    for coissue in (True, False):
-        interp.gpu_callbacks.reset_gpu_interpret_mode_state()
-        out[coissue] = jitted(bm.dq_mosaic, q, k, v, do, lse, dlt, cfg=cfg, out_dtype=q.dtype,
-                              interpret=interpret_params(), keys=keys, coissue=coissue)
-        jax.block_until_ready(out[coissue])
-        assert not interp.get_races().races_found
-    chex.assert_trees_all_equal(out[True], out[False])
-
-
 def test_dq_key_tiles_are_checked():
     x = jnp.zeros((1, 256, 1, 64), BF16)
     rows = jnp.zeros((1, 1, 256), jnp.float32)
@@ -345,8 +324,6 @@ def test_dq_key_tiles_are_checked():
         bm.dq_mosaic(x, x, x, x, rows, rows, make_cfg(256, 64), out_dtype=BF16, keys=32)
     with pytest.raises(ValueError, match="mosaic_dq_keys must be 64 or 128"):
         jf.Launch(mosaic_dq_keys=256)
-    with pytest.raises(ValueError, match="mosaic_dq_coissue must be a bool"):
-        jf.Launch(mosaic_dq_coissue=1)
 
 
 def test_ring_that_cannot_fit_raises():

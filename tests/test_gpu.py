@@ -200,12 +200,10 @@ def test_gpu_candidate_launches_change_no_value(name, call, launch):
         assert_same_numerics(f"{name} {what}", a, b, t)
 
 
-@pytest.mark.parametrize("field,one,other", [("mosaic_dq_keys", 64, 128),
-                                             ("mosaic_dq_coissue", False, True)])
+@pytest.mark.parametrize("field,one,other", [("mosaic_dq_keys", 64, 128)])
 def test_gpu_dq_launches_change_no_bit(field, one, other):
-    """The Mosaic dQ kernel's launch options only regroup or reschedule work: 128-key tiles continue
-    one accumulator with the same dS·K products in the same key order; S's and dP's products
-    issued together fill fresh accumulators as one at a time do. On tied rows under the stable
+    """The Mosaic dQ kernel's launch options only regroup work: 128-key tiles continue one
+    accumulator with the same dS·K products in the same key order. On tied rows under the stable
     shift, O, dQ, dK and dV bitwise under either setting, the shipped launch's other fields kept."""
     shape = (2, 2048, 4, 128)
     q, k, v = tied_qkv(7, shape)

@@ -279,8 +279,7 @@ def backward(q, k, v, do, lse, dlt, cfg: Numerics, launch: Launch, out_dtype=jnp
     if launch.bwd_kernel == "mosaic":
         dq = backward_mosaic.dq_mosaic(q, k, v, do, lse, dlt, cfg, out_dtype=out_dtype,
                                        stages=launch.mosaic_bwd_stages,
-                                       regs=launch.mosaic_bwd_regs, keys=launch.mosaic_dq_keys,
-                                       coissue=launch.mosaic_dq_coissue)
+                                       regs=launch.mosaic_bwd_regs, keys=launch.mosaic_dq_keys)
     else:
         dq = pl.pallas_call(
             dq_kernel,

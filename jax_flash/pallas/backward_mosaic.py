@@ -377,8 +377,7 @@ def ds_tile_dq(s, dp, lse_b, delta_b, mask, cfg: Numerics):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *, cfg: Numerics,
                nk: int, stages: int, interpret: bool,
-               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), keys: int = DQ_KEY_TILE,
-               coissue: bool = False):
+               regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS), keys: int = DQ_KEY_TILE):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -413,29 +412,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
             n = bk // 2 if half else bk
             k_tile, v_tile = (r.at[slot, pl.ds(0, n)] for r in (k_smem, v_smem))
             plgpu.barrier_wait(k_ready.at[slot])
-            acc = plgpu.ACC((rq, n), jnp.float32)
 
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_tile, k_tile.T)
-                return s_ref[...]
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+                return acc_ref[...]
 
-            def dov(dp_ref):
-                plgpu.wgmma(dp_ref, do_tile, v_tile.T)
-                return dp_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((rq, n), jnp.float32))
+            plgpu.barrier_wait(v_ready.at[slot])
 
-            if coissue:  # both products in flight, one wait (``Launch.mosaic_dq_coissue``)
-                plgpu.barrier_wait(v_ready.at[slot])
+            def dov(acc_ref):
+                plgpu.wgmma(acc_ref, do_tile, v_tile.T)
+                return acc_ref[...]
 
-                def qk_dov(s_ref, dp_ref):
-                    plgpu.wgmma(s_ref, q_tile, k_tile.T)
-                    plgpu.wgmma(dp_ref, do_tile, v_tile.T)
-                    return s_ref[...], dp_ref[...]
-
-                s, dp = pl.run_scoped(qk_dov, acc, acc)
-            else:
-                s = pl.run_scoped(qk, acc)
-                plgpu.barrier_wait(v_ready.at[slot])
-                dp = pl.run_scoped(dov, acc)
+            dp = pl.run_scoped(dov, plgpu.ACC((rq, n), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             mask = tile.tile_mask(rows, j * bk, rq, n, cfg) if masked else None
             lse_b, dlt_b = _along_keys(lse_v, (rq, n), 0), _along_keys(dlt_v, (rq, n), 0)
@@ -476,12 +465,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dq_ref, scratch, *
 
 
 def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None, stages=None,
-              regs=None, keys=None, coissue=False):
+              regs=None, keys=None):
     """dQ ``[B, T, H, D]`` in ``out_dtype``, times sm_scale, as ``backward.backward``'s dQ kernel:
     128 query rows per program (two compute warpgroups of 64), key tiles of ``keys`` (64 or 128,
     ``Launch.mosaic_dq_keys``; None: 64) streamed by TMA, in increasing order up to the causal
     diagonal. Arguments as ``dkdv_mosaic`` (``stages``: of the K/V ring of 64-key tiles; 128-key
-    tiles take ``DQ128_STAGES``; ``coissue``: ``Launch.mosaic_dq_coissue``)."""
+    tiles take ``DQ128_STAGES``)."""
     _require_covered("dQ", cfg, q, k, v, do, out_dtype)
     keys = keys or DQ_KEY_TILE
     if keys not in DQ_KEY_TILES:
@@ -499,8 +488,7 @@ def dq_mosaic(q, k, v, do, lse, dlt, cfg: Numerics, *, out_dtype, interpret=None
     if interpret is not None:  # dS staged for the interpreter's wgmma
         scratch += (plgpu.SMEM((*rows, keys), q.dtype, transforms=layout),)
     body = functools.partial(_dq_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, regs=_regs(regs), keys=keys,
-                             coissue=bool(coissue))
+                             interpret=interpret is not None, regs=_regs(regs), keys=keys)
 
     def entry(*refs):
         from jax.experimental import pallas as pl
