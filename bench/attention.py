@@ -2,20 +2,23 @@
 PyTorch's flash kernel, plus compiled memory footprints.
 
     python -m bench.attention [--shapes 32x1024x12x64,8x2048x16x128,4x8192x16x128] [--reps 30]
-        [--rounds 5] [--non-causal] [--warm-ms 300] [--memory-lengths 8192,16384] [--out FILE.json]
-        [--md OUT.md] [--plot OUT.png]
+        [--rounds 5] [--non-causal] [--warm-ms 300] [--sample-ms 100]
+        [--memory-lengths 8192,16384] [--out FILE.json] [--md OUT.md] [--plot OUT.png]
     python -m bench.attention --from-json bench/results/FILE.json --md OUT.md   # re-render, no GPU
     python -m bench.attention --dropin [--reps 30] [--rounds 5] [--out FILE.json]
         # jax_flash.dot_product_attention on GQA and a sliding window beside cuDNN (DROPIN_CASES)
 
 Method: bfloat16 inputs; every implementation compiled and warmed up, then timed in one process,
 the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``; each
-sample after ``--warm-ms`` of the same calls back to back, untimed), ≥ ``--reps``
-calls each; a figure is the median. FLOPs count the two matrix products of the forward, 4·B·H·T²·D
-(half of it causal), and the backward as 2.5 forwards (fwd+bwd: 3.5×), so every implementation is
-divided by the same work whatever it computes. Interpretation of the results: docs/PERFORMANCE.md.
+sample of the implementations compared — "fa2" with and without the shift, cuDNN — after
+``--warm-ms`` of the same calls back to back, untimed), ≥ ``--reps`` calls each, or for a slow
+reference implementation as many as fill ``--sample-ms`` a round; a figure is the median. FLOPs
+count the two matrix products of the forward, 4·B·H·T²·D (half of it causal), and the backward as
+2.5 forwards (fwd+bwd: 3.5×), so every implementation is divided by the same work whatever it
+computes. Interpretation of the results: docs/PERFORMANCE.md.
 Records:
-``{"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device"}``
+``{"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device",
+"sync", "calls", "rounds_ms", ...}`` (``warm_ms`` on the records that had the warm-up)
 with impl in jax_flash, cudnn, xla, jax_pallas_mha, torch_flash (the last two when importable). Memory
 (``…-memory.json`` beside it): ``{"impl", "pass": "fwd+bwd", "shape", "temp_bytes", ...}`` from the
 compiled executable's ``memory_analysis()`` — flash attention should need nothing quadratic in T.
@@ -52,7 +55,7 @@ def _timed(f, args, reps, sync=jax.block_until_ready, calls=1):
 
 
 def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round=None,
-                      warm_ms=0.0):
+                      warm_ms=0.0, warm=None, sample_ms=0.0, calls=None):
     """{name: median ms} of every compiled fn in ``fns``, timed in ``rounds`` interleaved rounds of
     ``reps`` calls each. Interleaving spreads the host's and the GPU's drift over all of them alike
     (timed one after another, a fn inherits whatever state the GPU was in during its turn, e.g. its
@@ -72,7 +75,14 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
     ``warm_ms``: before each sample, a fn runs back to back, untimed, for at least this long, so
     that every sample is taken in the state the fn's own sustained load brings the GPU to. Under a
     power cap a kernel timed right after a slow, low-power neighbour runs its first ~100 ms at
-    higher clocks; without a warm-up that favours whatever follows the slow implementations."""
+    higher clocks; without a warm-up that favours whatever follows the slow implementations.
+    ``warm``: the names that get it (None: all), e.g. only the implementations being compared, since
+    each of them is warmed whatever ran before it.
+
+    ``sample_ms``: a fn slower than ``sample_ms / reps`` a call takes as many calls a sample as fill
+    that long (at least one), so that a slow reference implementation does not take most of a run's
+    time; a fn's call time is that of its waited second call. ``calls``: a dict that receives each
+    fn's calls a sample."""
     arg_of = args if isinstance(args, dict) else {name: args for name in fns}
     if sync not in ("call", "round"):
         raise ValueError(f"sync must be 'call' or 'round', got {sync!r}")
@@ -90,23 +100,28 @@ def timed_interleaved(fns, args, reps, rounds, log=print, sync="call", per_round
         ready[name] = f
     times = {name: [] for name in ready}
     rounds_ms = {name: [] for name in ready}
+    n_of = {name: reps if sample_ms <= 0 else
+            min(reps, max(1, math.ceil(sample_ms / call_ms[name]))) for name in ready}
+    if calls is not None:
+        calls.update(n_of)
     for r in range(rounds):
         # odd rounds in reverse order (A B … B A): what runs right after a heavy neighbour, or early in
         # a round on a GPU the previous round left hot, changes from round to round
         for name, f in (reversed(ready.items()) if r % 2 else ready.items()):
-            args = arg_of[name]
-            _warm(f, args, warm_ms, call_ms[name])
+            args, n = arg_of[name], n_of[name]
+            if warm is None or name in warm:
+                _warm(f, args, warm_ms, call_ms[name])
             if sync == "round":
                 t0 = time.perf_counter()
-                jax.block_until_ready([f(*args) for _ in range(reps)])
-                times[name].append((time.perf_counter() - t0) / reps)
+                jax.block_until_ready([f(*args) for _ in range(n)])
+                times[name].append((time.perf_counter() - t0) / n)
                 rounds_ms[name].append(times[name][-1] * 1e3)
             else:
-                for _ in range(reps):
+                for _ in range(n):
                     t0 = time.perf_counter()
                     jax.block_until_ready(f(*args))
                     times[name].append(time.perf_counter() - t0)
-                rounds_ms[name].append(float(np.median(times[name][-reps:])) * 1e3)
+                rounds_ms[name].append(float(np.median(times[name][-n:])) * 1e3)
             call_ms[name] = rounds_ms[name][-1]
     if per_round is not None:
         per_round.update(rounds_ms)
@@ -223,10 +238,12 @@ def _torch_records(shape, causal, passes, reps, base, rounds=1):
 
 
 def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print, rounds=5,
-        sync="call", warm_ms=0.0):
+        sync="call", warm_ms=0.0, sample_ms=0.0):
     """Records for every implementation; per (shape, causal, pass) the JAX ones are timed interleaved
-    (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all, each sample after
-    ``warm_ms`` of the same calls), PyTorch's after them."""
+    (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all; each sample of the
+    implementations compared (``ORDER_CHECKED``: "fa2" with and without the shift, cuDNN) after
+    ``warm_ms`` of the same calls; a slower one's samples of about ``sample_ms``), PyTorch's after
+    them. A record's ``calls`` is its calls a sample, ``warm_ms`` there where it had the warm-up."""
     records = []
     dev = jax.devices()[0].device_kind
     per_round = max(1, -(-reps // rounds))
@@ -235,18 +252,22 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
         q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
         for causal in causal_modes:
             base = dict(shape=list(shape), causal=causal, jax_version=jax.__version__, device=dev,
-                        sync=sync, **({"warm_ms": warm_ms} if warm_ms else {}))
+                        sync=sync, **({"sample_ms": sample_ms} if sample_ms else {}))
             impls = {(impl, policy, stable): f for impl, policy, stable, f in _jax_impls(causal)}
             for pss in passes:
                 fns = {key: _jax_pass(f, pss) for key, f in impls.items()}
-                rounds_ms = {}
+                rounds_ms, calls = {}, {}
                 ms = timed_interleaved(fns, (q, k, v), per_round, rounds, sync=sync,
-                                       per_round=rounds_ms, warm_ms=warm_ms,
+                                       per_round=rounds_ms, warm_ms=warm_ms, warm=COMPARED,
+                                       sample_ms=sample_ms, calls=calls,
                                        log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"))
                 for (impl, policy, stable), t in ms.items():
+                    key = (impl, policy, stable)
                     extra = kernels(q, causal, policy, stable, pss) if impl == "jax_flash" else {}
+                    if warm_ms and key in COMPARED:
+                        extra["warm_ms"] = warm_ms
                     records.append(dict(base, impl=impl, policy=policy, stable=stable,
-                                        **{"pass": pss}, ms=t, **extra,
+                                        **{"pass": pss}, ms=t, calls=calls[key], **extra,
                                         tflops=pass_flops(shape, causal, pss) / t / 1e9,
                                         rounds_ms=rounds_ms[(impl, policy, stable)]))
                     _log_record(records[-1], log)
@@ -395,6 +416,8 @@ def targets(records):
 
 ORDER_CHECKED = (("fa2", "jax_flash", "fa2", False), ("fa2 stable", "jax_flash", "fa2", True),
                  ("cuDNN", "cudnn", None, None))
+# (impl, policy, stable) of the implementations the targets compare
+COMPARED = frozenset(tuple(key) for _, *key in ORDER_CHECKED)
 
 
 def order_check(records, pss="fwd+bwd"):
@@ -469,14 +492,28 @@ def plot(records, path, title=""):
 
 def write_markdown(path, records, mem, source, device, version, date):
     with open(path, "w") as f:
-        sync = records[0].get("sync", "call") if records else "call"
-        warm = records[0].get("warm_ms") if records else None
-        timing = f"sync per {sync}" + (f", each sample after {warm:g} ms of its own calls" if warm
-                                       else ", no warm-up")
         f.write(f"# Attention benchmarks\n\n`python -m bench.attention` on {device}, jax {version}, "
-                f"{date} (`{source}`; timing: {timing}).\n" + markdown(records, mem)
+                f"{date} (`{source}`; timing: {timing_line(records)}).\n" + markdown(records, mem)
                 + targets(records) + order_check(records))
     print("wrote", path)
+
+
+def timing_line(records):
+    """How a results file's samples were taken, in words."""
+    sync = records[0].get("sync", "call") if records else "call"
+    warmed = [r for r in records if r.get("warm_ms")]
+    if not warmed:
+        warm = ", no warm-up"
+    elif all(r.get("warm_ms") for r in records if r["impl"] != "torch_flash"):
+        warm = f", each sample after {warmed[0]['warm_ms']:g} ms of its own calls"
+    else:
+        warm = (f", each sample of fa2, fa2 stable and cuDNN after {warmed[0]['warm_ms']:g} ms of"
+                " its own calls, the others' without")
+    sample = records[0].get("sample_ms") if records else None
+    if sample:
+        warm += (f"; up to {max(r.get('calls', 0) for r in records)} calls a sample, a slower "
+                 f"implementation's as many as fill {sample:g} ms (at least one)")
+    return f"sync per {sync}{warm}"
 
 
 # ----------------------------------------------------- dot_product_attention beside cuDNN
@@ -604,8 +641,12 @@ def main(argv=None):
                     help="call: wait for every call (each sample has the per-call host time in it); "
                          "round: dispatch a round's calls back to back, wait once (kernel throughput)")
     ap.add_argument("--warm-ms", type=float, default=300.0,
-                    help="before each sample, the same calls back to back, untimed, this long "
-                         "(timed_interleaved: each sample in its own sustained state; 0: none)")
+                    help="before each sample of fa2 (with and without the shift) and cuDNN, the "
+                         "same calls back to back, untimed, this long (timed_interleaved: each "
+                         "sample in its own sustained state; 0: none)")
+    ap.add_argument("--sample-ms", type=float, default=100.0,
+                    help="an implementation slower than this over --reps / --rounds calls takes as "
+                         "many calls a sample as fill it, at least one (0: all take the same)")
     ap.add_argument("--memory-lengths", default="8192,16384", help="'' to skip")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")
@@ -659,7 +700,7 @@ def main(argv=None):
     masks = args.masks or ("causal,full" if args.non_causal else "causal")
     modes = tuple(m == "causal" for m in masks.split(","))
     records = run(shapes, args.reps, modes, rounds=args.rounds, sync=args.sync,
-                  warm_ms=args.warm_ms)
+                  warm_ms=args.warm_ms, sample_ms=args.sample_ms)
     mem = memory([int(t) for t in args.memory_lengths.split(",") if t])
     device = jax.devices()[0].device_kind.replace(" ", "_")
     out = args.out or f"bench/results/{datetime.date.today()}-{device}.json"

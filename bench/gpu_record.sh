@@ -7,8 +7,9 @@
 # Usage: OUT=out bash bench/gpu_record.sh [tests] [bench] [step] [dropin]   (default: tests bench)
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET, DROPIN_TIMEOUT (seconds);
 #      SHAPES and BENCH_ARGS (bench.attention's timing and mask arguments; default "--sync round
-#      --non-causal --warm-ms 300", the table of record's: calls back to back, each shape with and
-#      without the mask, each sample after 300 ms of the same calls);
+#      --non-causal --warm-ms 300 --sample-ms 100", the table of record's: calls back to back, each
+#      shape with and without the mask, each sample of fa2 and cuDNN after 300 ms of the same calls,
+#      a slow reference's samples about 100 ms; 12 rounds of 6 calls, about 390 s on an H100);
 #      STEP_ARMS, STEP_BATCH, STEP_PRIMARY (fa2-stable), STEP_ROUNDS (1) for the step
 #      (bench.train_step --arms, --batch, --primary, --rounds); STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as
 #      profile-compare.md and profile.tgz), STEP_PROFILE_STEPS (--profile-steps, 3);
@@ -41,8 +42,8 @@ if [[ " $parts " == *" tests "* ]]; then
 fi
 if [[ " $parts " == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.attention \
-    --shapes "${SHAPES:-32x1024x12x64,8x2048x16x128,4x8192x16x128}" --reps 30 --rounds 5 \
-    ${BENCH_ARGS---sync round --non-causal --warm-ms 300} --out "$OUT/bench.json" \
+    --shapes "${SHAPES:-32x1024x12x64,8x2048x16x128,4x8192x16x128}" --reps 72 --rounds 12 \
+    ${BENCH_ARGS---sync round --non-causal --warm-ms 300 --sample-ms 100} --out "$OUT/bench.json" \
     > "$OUT/bench.log" 2>&1
   r=$?; [ $r -ne 0 ] && rc=$r
   echo "bench: exit $r"; tail -12 "$OUT/bench.log"

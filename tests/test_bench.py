@@ -164,6 +164,60 @@ def test_warm_up_precedes_every_sample(monkeypatch):
             assert seq[6:] == expected, (warm_ms, sync)
 
 
+def test_slow_fns_take_fewer_calls_and_only_named_ones_are_warmed(monkeypatch):
+    """``sample_ms``: on a fake clock, with 4 calls a sample and 60 ms to fill, a fn of 4 ms takes
+    all 4, one of 25 ms 3 (75 ms), one of 200 ms 1 — its figures unchanged — and ``calls`` says so.
+    ``warm``: only the named fns run the warm-up's calls before their samples."""
+    now, seq = [0.0], []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+
+    def takes(name, seconds):
+        def f(x):
+            seq.append(name)
+            now[0] += seconds
+            return x
+        return f
+
+    fns = {"a": takes("a", 0.004), "b": takes("b", 0.025), "c": takes("c", 0.2)}
+    for sync in ("round", "call"):
+        seq.clear()
+        calls = {}
+        ms = bench.timed_interleaved(fns, (jax.numpy.ones(2),), reps=4, rounds=2, sync=sync,
+                                     sample_ms=60.0, calls=calls, warm_ms=20.0, warm={"a"})
+        np.testing.assert_allclose([ms["a"], ms["b"], ms["c"]], [4.0, 25.0, 200.0])
+        assert calls == {"a": 4, "b": 3, "c": 1}, sync
+        n = {"a": 5 + 4, "b": 3, "c": 1}  # a: 5 warm-up calls of 4 ms fill 20 ms, then its 4
+        assert seq[6:] == [x for x in ["a", "b", "c", "c", "b", "a"] for _ in range(n[x])], sync
+
+
+def test_run_warms_only_the_compared_implementations(monkeypatch):
+    """``bench.attention.run`` gives the warm-up and ``sample_ms`` to ``timed_interleaved`` with
+    "fa2" (with and without the shift) and cuDNN named to be warmed; the records say which had the
+    warm-up, and their calls a sample."""
+    seen = {}
+
+    def fake(fns, args, reps, rounds, **kw):
+        seen.update(kw, names=set(fns))
+        kw["calls"].update({name: 1 if name[0] == "xla" else reps for name in fns})
+        kw["per_round"].update({name: [1.0] * rounds for name in fns})
+        return {name: 1.0 for name in fns}
+
+    monkeypatch.setattr(bench, "timed_interleaved", fake)
+    monkeypatch.setattr(bench, "_torch_records", lambda *a, **k: [])
+    recs = bench.run([(1, 64, 1, 16)], reps=4, passes=("fwd",), rounds=2, sync="round",
+                     warm_ms=300.0, sample_ms=100.0, log=lambda m: None)
+    assert seen["warm"] == {("jax_flash", "fa2", False), ("jax_flash", "fa2", True),
+                            ("cudnn", None, None)} and seen["warm"] <= seen["names"]
+    assert seen["warm_ms"] == 300.0 and seen["sample_ms"] == 100.0
+    warmed = {(r["impl"], r["policy"], r["stable"]) for r in recs if r.get("warm_ms") == 300.0}
+    assert warmed == seen["warm"]
+    assert {r["calls"] for r in recs if r["impl"] == "xla"} == {1}
+    assert all(r["sample_ms"] == 100.0 for r in recs)
+    line = bench.timing_line(recs)
+    assert "each sample of fa2, fa2 stable and cuDNN after 300 ms" in line, line
+    assert "up to 2 calls a sample" in line and "fill 100 ms" in line, line
+
+
 def test_warm_up_keeps_one_result_alive(monkeypatch):
     """The warm-up's results are dropped as it goes: a fast fn's hundreds of warm-up calls, each
     result held until one wait, once filled an 80-GB GPU. On a fake clock, 50 calls of 0.1 ms fill
