@@ -137,11 +137,9 @@ def test_timed_interleaved_round_sync_waits_once_per_round():
         bench.timed_interleaved({"s": sleepy}, (0,), reps=1, rounds=1, sync="never")
 
 
-def test_warm_up_precedes_every_sample(monkeypatch):
-    """``warm_ms``: before each sample a fn runs back to back, as many calls as its last measured
-    call time says fill that long, and only then is timed: on a fake clock, with a 20-ms warm-up a
-    fn of 4 ms runs 5 calls untimed before each of its samples, one of 8 ms 3 (24 ms), one of 50 ms
-    a single call; the timed figures are unchanged, and no warm-up (the default) adds no call."""
+def _fake_clock(monkeypatch):
+    """``bench``'s clock made a counter that fns built by ``takes(name, seconds)`` advance by their
+    duration, each call logged in ``seq``: timing arithmetic checked without a GPU."""
     now, seq = [0.0], []
     monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
 
@@ -152,6 +150,15 @@ def test_warm_up_precedes_every_sample(monkeypatch):
             return x
         return f
 
+    return seq, takes
+
+
+def test_warm_up_precedes_every_sample(monkeypatch):
+    """``warm_ms``: before each sample a fn runs back to back, as many calls as its last measured
+    call time says fill that long, and only then is timed: on a fake clock, with a 20-ms warm-up a
+    fn of 4 ms runs 5 calls untimed before each of its samples, one of 8 ms 3 (24 ms), one of 50 ms
+    a single call; the timed figures are unchanged, and no warm-up (the default) adds no call."""
+    seq, takes = _fake_clock(monkeypatch)
     fns = {"a": takes("a", 0.004), "b": takes("b", 0.008), "c": takes("c", 0.05)}
     for warm_ms, warm in ((20.0, {"a": 5, "b": 3, "c": 1}), (0.0, {"a": 0, "b": 0, "c": 0})):
         for sync in ("round", "call"):
@@ -168,16 +175,7 @@ def test_slow_fns_take_fewer_calls_and_only_named_ones_are_warmed(monkeypatch):
     """``sample_ms``: on a fake clock, with 4 calls a sample and 60 ms to fill, a fn of 4 ms takes
     all 4, one of 25 ms 3 (75 ms), one of 200 ms 1 — its figures unchanged — and ``calls`` says so.
     ``warm``: only the named fns run the warm-up's calls before their samples."""
-    now, seq = [0.0], []
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
-
-    def takes(name, seconds):
-        def f(x):
-            seq.append(name)
-            now[0] += seconds
-            return x
-        return f
-
+    seq, takes = _fake_clock(monkeypatch)
     fns = {"a": takes("a", 0.004), "b": takes("b", 0.025), "c": takes("c", 0.2)}
     for sync in ("round", "call"):
         seq.clear()
