@@ -511,8 +511,9 @@ def timing_line(records):
                 " its own calls, the others' without")
     sample = records[0].get("sample_ms") if records else None
     if sample:
-        warm += (f"; up to {max(r.get('calls', 0) for r in records)} calls a sample, a slower "
-                 f"implementation's as many as fill {sample:g} ms (at least one)")
+        n = max(r.get("calls", 0) for r in records)
+        warm += (f"; up to {n} call{'s' * (n != 1)} a sample, a slower implementation's as many as"
+                 f" fill {sample:g} ms (at least one)")
     return f"sync per {sync}{warm}"
 
 
