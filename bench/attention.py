@@ -269,7 +269,7 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
                     records.append(dict(base, impl=impl, policy=policy, stable=stable,
                                         **{"pass": pss}, ms=t, calls=calls[key], **extra,
                                         tflops=pass_flops(shape, causal, pss) / t / 1e9,
-                                        rounds_ms=rounds_ms[(impl, policy, stable)]))
+                                        rounds_ms=rounds_ms[key]))
                     _log_record(records[-1], log)
             for rec in _torch_records(shape, causal, passes, reps, base, rounds):
                 records.append(rec)
@@ -426,7 +426,8 @@ def order_check(records, pss="fwd+bwd"):
     implementation's time depended on what ran just before it, e.g. a slow neighbour under a power
     cap (what ``--warm-ms`` is for). "—" without per-round times (or fewer than 4 rounds)."""
     head = " | ".join(label for label, *_ in ORDER_CHECKED)
-    lines = [f"\n### Order check ({pss}: median of the forward-order rounds over the reversed ones)",
+    lines = [f"\n### Order check ({pss}: median of the forward-order rounds over the reversed"
+             " ones)",
              f"| shape | {head} |", "|---" * (len(ORDER_CHECKED) + 1) + "|"]
     cases = dict.fromkeys((tuple(r["shape"]), r["causal"]) for r in records)
     for shape, causal in sorted(cases, key=lambda c: not c[1]):

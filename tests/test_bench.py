@@ -391,7 +391,8 @@ def test_order_check_compares_forward_and_reversed_rounds(tmp_path):
                     causal=causal, **{"pass": "fwd+bwd"}, ms=7.7, tflops=1.0, jax_version="x",
                     device="Test GPU", sync="round", **({"rounds_ms": rounds} if rounds else {}))
 
-    recs = [rec("jax_flash", [8.0, 7.4] * 3, "fa2", False), rec("jax_flash", [7.5] * 6, "fa2", True),
+    recs = [rec("jax_flash", [8.0, 7.4] * 3, "fa2", False),
+            rec("jax_flash", [7.5] * 6, "fa2", True),
             rec("cudnn", None), rec("cudnn", [7.0, 7.1, 7.0], causal=False)]
     rows = [line for line in bench.order_check(recs).splitlines() if line.startswith("| 4")]
     assert rows == ["| 4×8192×16×128 | ×1.081 | ×1.000 | — |",

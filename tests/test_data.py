@@ -121,7 +121,7 @@ def _write_tokens(tmp_path, n=5000, seed=0):
     tr.tofile(out / "train.bin")
     va.tofile(out / "val.bin")
     meta = {"train_tokens": n, "val_tokens": n // 10, "vocab_size": D.VOCAB_SIZE,
-            "sha256": {"train.bin": D.sha256_file(out / "train.bin"), "val.bin": D.sha256_file(out / "val.bin")}}
+            "sha256": {name: D.sha256_file(out / name) for name in ("train.bin", "val.bin")}}
     (out / "meta.json").write_text(json.dumps(meta))
     return out, tr, va
 

@@ -412,7 +412,8 @@ def test_interpreted_persistent_programs_change_no_bit(rng, causal, window, kv_h
 
 
 @needs_interpreter
-@pytest.mark.parametrize("causal, programs", [(True, None), pytest.param(False, 5, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("causal, programs",
+                         [(True, None), pytest.param(False, 5, marks=pytest.mark.slow)],
                          ids=["causal", "full-persistent"])
 def test_interpreted_pinned_softmax_changes_no_bit(rng, causal, programs):
     """``Launch.mosaic_fwd_pinned``: the softmax's results through an optimization barrier before

@@ -499,7 +499,7 @@ def prepare(out: str | Path, sources: str | list[str], *, max_mb: float | None =
         "total_tokens": int(len(tokens)),
         "train_tokens": int(len(tokens) - val_tokens),
         "val_tokens": int(val_tokens),
-        "sha256": {"train.bin": sha256_file(out / "train.bin"), "val.bin": sha256_file(out / "val.bin")},
+        "sha256": {name: sha256_file(out / name) for name in ("train.bin", "val.bin")},
         "tokenize_seconds": round(t_tok, 2),
         "prepare_seconds": round(time.perf_counter() - t0, 2),
     }
