@@ -155,10 +155,6 @@ class Launch:
     # Mosaic forward: one program per SM, each taking (batch, head, query block) items in turn with
     # one K/V ring across them, so the next item's loads overlap this one's end. Only the schedule.
     mosaic_fwd_persistent: bool = False
-    # Mosaic forward: a warpgroup's softmax results (m, ℓ, acc·α, P̄) pass an optimization barrier
-    # before it hands the tensor cores to the other warpgroup, so that the compiler cannot sink
-    # that arithmetic past the hand-over into the other's turn. The same operations: the schedule.
-    mosaic_fwd_pinned: bool = False
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -175,7 +171,7 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("mosaic_fwd_persistent", "mosaic_fwd_pinned", "heavy_first"):
+        for name in ("mosaic_fwd_persistent", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:

@@ -155,8 +155,8 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     x = jnp.ones((1, 128, 1, 64), BF16)
     seen = []
 
-    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None, programs=None, pinned=False):
-        seen.append((q, k, v, cfg, o_dtype, stages, programs, pinned))
+    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None, programs=None):
+        seen.append((q, k, v, cfg, o_dtype, stages, programs))
         return jnp.full(q.shape, 3.0, o_dtype), jnp.zeros((1, 1, 128), jnp.float32)
 
     monkeypatch.setattr(fm, "forward_mosaic", fake)
@@ -165,15 +165,11 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     assert not seen
     o, _ = pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_stages=3), o_dtype=BF16)
     assert len(seen) == 1 and all(a is x for a in seen[0][:3])
-    assert seen[0][3:] == (cfg, BF16, 3, None, False)
+    assert seen[0][3:] == (cfg, BF16, 3, None)
     assert np.all(f64(o) == 3)
     pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_persistent=True),
                o_dtype=BF16)
-    assert seen[1][5:] == (None, 7, False)  # a persistent program per SM
-    pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_pinned=True), o_dtype=BF16)
-    assert seen[2][5:] == (None, None, True)
-    with pytest.raises(ValueError, match="mosaic_fwd_pinned must be a bool"):
-        jf.Launch(mosaic_fwd_pinned=1)
+    assert seen[1][5:] == (None, 7)  # a persistent program per SM
 
 
 @pytest.mark.parametrize("n_items, programs", [(12, 5), (12, 4), (7, 7), (3, 5), (4096, 132)])
@@ -216,13 +212,13 @@ needs_interpreter = pytest.mark.skipif(
     reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
 
 
-def _interpreted(q, k, v, cfg, stages=None, programs=None, pinned=False):
+def _interpreted(q, k, v, cfg, stages=None, programs=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     # compiled once per test (the race detector runs inside it too)
     o, lse = jitted(fm.forward_mosaic, q, k, v, cfg=cfg, o_dtype=q.dtype, interpret=interpret_params(),
-                    stages=stages, programs=programs, pinned=pinned)
+                    stages=stages, programs=programs)
     jax.block_until_ready((o, lse))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return o, lse
@@ -409,21 +405,6 @@ def test_interpreted_persistent_programs_change_no_bit(rng, causal, window, kv_h
     base = _interpreted(q, k, v, cfg)
     for programs in (1, 5):
         chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, programs=programs), base)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("causal, programs",
-                         [(True, None), pytest.param(False, 5, marks=pytest.mark.slow)],
-                         ids=["causal", "full-persistent"])
-def test_interpreted_pinned_softmax_changes_no_bit(rng, causal, programs):
-    """``Launch.mosaic_fwd_pinned``: the softmax's results through an optimization barrier before
-    each hand-over give O and L equal to the plain kernel's bit for bit, races checked (on tied
-    rows under the stable shift, 128-key tiles at head_dim 128)."""
-    shape = (1, 384, 2, 128)
-    q, k, v = tied_inputs(rng, shape, pairs=((3, 5), (130, 140)))
-    cfg = make_cfg(shape[1], shape[-1], causal=causal, stable=True, block_k=128)
-    chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, programs=programs, pinned=True),
-                                _interpreted(q, k, v, cfg, programs=programs))
 
 
 def test_ring_that_cannot_fit_or_run_raises():

@@ -200,14 +200,11 @@ def test_gpu_candidate_launches_change_no_value(name, call, launch):
         assert_same_numerics(f"{name} {what}", a, b, t)
 
 
-@pytest.mark.parametrize("field,one,other", [("mosaic_dq_keys", 64, 128),
-                                             ("mosaic_fwd_pinned", False, True)])
-def test_gpu_launch_options_change_no_bit(field, one, other):
-    """Launch options that only regroup or reschedule work: the dQ kernel's 128-key tiles continue
-    one accumulator with the same dS·K products in the same key order; the forward's pinned softmax
-    computes the same operations before each hand-over of the tensor cores. On tied rows under the
-    stable shift, O, dQ, dK and dV bitwise under either setting, the shipped launch's other fields
-    kept."""
+@pytest.mark.parametrize("field,one,other", [("mosaic_dq_keys", 64, 128)])
+def test_gpu_dq_launches_change_no_bit(field, one, other):
+    """The Mosaic dQ kernel's launch options only regroup work: 128-key tiles continue one
+    accumulator with the same dS·K products in the same key order. On tied rows under the stable
+    shift, O, dQ, dK and dV bitwise under either setting, the shipped launch's other fields kept."""
     shape = (2, 2048, 4, 128)
     q, k, v = tied_qkv(7, shape)
     do = randn(8, shape)

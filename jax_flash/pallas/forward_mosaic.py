@@ -77,7 +77,7 @@ def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: int, stages: int,
-            interpret: bool, programs: int | None = None, pinned: bool = False):
+            interpret: bool, programs: int | None = None):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -134,8 +134,6 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
                                                                 floor=tile.floor_positive)
             acc = carry.acc * alpha[:, None]  # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
-            if pinned:  # all of it computed before the hand-over (``Launch.mosaic_fwd_pinned``)
-                m_new, l_new, acc, p_bar = lax.optimization_barrier((m_new, l_new, acc, p_bar))
             if PINGPONG:
                 plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
             plgpu.barrier_wait(v_ready.at[slot])
@@ -232,15 +230,13 @@ def forward_scratch(bk, d, dtype, stages, persistent=False):
 
 
 def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None,
-                   programs=None, pinned=False):
+                   programs=None):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
     tests only). ``stages``: the depth of the K/V ring (``Launch.mosaic_fwd_stages``, ≥ 2; None:
     ``STAGES``), which changes no value. ``programs``: None, a program per (batch, head, query
     block); else that many persistent programs (``Launch.mosaic_fwd_persistent``: one per SM),
-    each taking those items in turn with one K/V ring across them: the same per-item arithmetic.
-    ``pinned``: ``Launch.mosaic_fwd_pinned``, the softmax's results computed before each hand-over
-    of the tensor cores (an optimization barrier: the same operations)."""
+    each taking those items in turn with one K/V ring across them: the same per-item arithmetic."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
                                and q.dtype == k.dtype == v.dtype):
@@ -262,7 +258,7 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
     body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, programs=programs, pinned=pinned)
+                             interpret=interpret is not None, programs=programs)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,

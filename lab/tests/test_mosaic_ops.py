@@ -83,18 +83,3 @@ def test_fwd_persistent_launches_programs_with_the_same_products():
     assert [tuple(map(int, m)) for m in LAUNCH.findall(ours)] == [(7, 1, 1)]
     for instr in ("wgmma.mma_async", "wgmma.commit_group", "wgmma.wait_group"):
         assert ours.count(instr) == plain.count(instr) > 0, instr
-
-
-BARRIER = re.compile(r'llvm\.inline_asm has_side_effects asm_dialect = att "",')
-
-
-def test_fwd_pinned_adds_only_optimization_barriers():
-    """``Launch.mosaic_fwd_pinned`` (``pinned``) lowers for CUDA with an optimization barrier (an
-    empty side-effecting inline asm through which the values pass) in each of the walk's step
-    bodies, and the per-block kernel's wgmma instructions, commit groups and waits unchanged."""
-    shape = (3, 512, 5, 128)
-    plain = same_lowering.lowered(jax_flash, "fwd", shape, True)
-    ours = same_lowering.lowered(jax_flash, "fwd", shape, True, pinned=True)
-    assert len(BARRIER.findall(ours)) > len(BARRIER.findall(plain))
-    for instr in ("wgmma.mma_async", "wgmma.commit_group", "wgmma.wait_group", "mbarrier"):
-        assert ours.count(instr) == plain.count(instr) > 0, instr
