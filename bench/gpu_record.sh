@@ -32,7 +32,8 @@ PY
 rc=0
 if [[ " $parts " == *" tests "* ]]; then
   # TEST_WORKERS > 1: that many pytest processes share the GPU (their compilations run on the CPUs
-  # side by side), each allocating as it goes; the log names every test as it passes (-v) and
+  # side by side), each allocating as it goes (six ran out of an H100's 80 GB in the whole suite;
+  # its heaviest tests passed in two); the log names every test as it passes (-v) and
   # gives the cases' printed figures at its end (-rA; a run cut by the timeout has none)
   workers=(-q -s); prealloc=true
   if [ "${TEST_WORKERS:-1}" -gt 1 ]; then workers=(-v -n "$TEST_WORKERS"); prealloc=false; fi
