@@ -172,14 +172,16 @@ def kernels(q, causal, policy, stable, pss="fwd") -> dict:
     return {"fwd_kernel": names[0], **({"bwd_kernel": names[1]} if pss != "fwd" else {})}
 
 
-def _jax_pass(f, pss):
+def _jax_pass(f, pss, compiler_options=None):
     """``pss``: "fwd" (O), "fwd+bwd" (the gradients of sum(O)) or "bwd" — the backward alone, from
     residuals the forward saved once per input (the same cotangent as "fwd+bwd"): with "fwd" beside
-    it, it splits a fwd+bwd time into its parts, e.g. to see whether a faster forward reaches it."""
+    it, it splits a fwd+bwd time into its parts, e.g. to see whether a faster forward reaches it.
+    ``compiler_options``: XLA options for the timed programs alone (``jax.jit``'s)."""
+    jit = functools.partial(jax.jit, compiler_options=compiler_options)
     if pss == "fwd":
-        return jax.jit(f)
+        return jit(f)
     if pss == "bwd":
-        step = jax.jit(lambda vjp, do: vjp(do))  # vjp: a pytree (jax.tree_util.Partial) of residuals
+        step = jit(lambda vjp, do: vjp(do))  # vjp: a pytree (jax.tree_util.Partial) of residuals
         saved = {}
 
         def bwd(q, k, v):
@@ -195,7 +197,7 @@ def _jax_pass(f, pss):
     if pss != "fwd+bwd":
         raise ValueError(f"pass {pss!r}: fwd, fwd+bwd or bwd")
     loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def pass_flops(shape, causal, pss):

@@ -9,7 +9,9 @@
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``mosaic`` (the working
 tree with ``launch={"fwd_kernel": "mosaic"}``; a call the Mosaic GPU forward does not cover fails),
-``cudnn`` (``jax.nn.dot_product_attention``), ``mgpu`` (JAX's own Mosaic GPU attention,
+``cudnn`` (``jax.nn.dot_product_attention``), ``cudnn_det`` (the same, its programs compiled with
+XLA's ``xla_gpu_deterministic_ops``, under which XLA asks cuDNN for its deterministic backward),
+``mgpu`` (JAX's own Mosaic GPU attention,
 ``jax.experimental.pallas.ops.gpu.attention_mgpu``: forward only when causal, a measure of what a
 Mosaic GPU path can reach); ``:stable`` adds the stable shift; ``@NAME`` runs with entry NAME of
 ``--entries`` (launch fields passed as ``launch=``, ``block_q``/``block_k`` as call arguments)
@@ -79,15 +81,27 @@ def split_entry(entry: dict) -> tuple[dict, dict]:
             {k: v for k, v in entry.items() if k not in CALL_ARGS})
 
 
+# variants that are not jax_flash, and their records' impl names
+IMPL_NAMES = {"cudnn": "cudnn", "cudnn_det": "cudnn_deterministic", "mgpu": "jax_mgpu_attention"}
+REFERENCES = tuple(IMPL_NAMES)
+
+
+def compiler_options(spec: str) -> dict | None:
+    """XLA options a variant's timed programs are compiled with: ``cudnn_det`` gets
+    ``xla_gpu_deterministic_ops``, the rest none."""
+    return {"xla_gpu_deterministic_ops": True} if parse_variant(spec)[0] == "cudnn_det" else None
+
+
 def parse_variant(spec: str):
     """'new@NAME:stable' -> ('new', 'NAME', True)."""
     base, _, flags = spec.partition(":")
     if flags not in ("", "stable"):
         raise ValueError(f"variant {spec!r}: only ':stable' may follow")
     version, _, entry = base.partition("@")
-    if version not in ("new", "old", "mosaic", "cudnn", "mgpu"):
-        raise ValueError(f"variant {spec!r}: version must be new, old, mosaic, cudnn or mgpu")
-    if version in ("cudnn", "mgpu") and (entry or flags):
+    if version not in ("new", "old", "mosaic", *REFERENCES):
+        raise ValueError(f"variant {spec!r}: version must be new, old, mosaic, "
+                         f"{', '.join(REFERENCES[:-1])} or {REFERENCES[-1]}")
+    if version in REFERENCES and (entry or flags):
         raise ValueError(f"variant {spec!r}: {version} takes no entry or flag")
     return version, entry or None, flags == "stable"
 
@@ -109,7 +123,7 @@ def _attention_fn(spec, modules, entries, causal, policy):
     import jax
 
     version, entry, stable = parse_variant(spec)
-    if version == "cudnn":
+    if version in ("cudnn", "cudnn_det"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                             implementation="cudnn")
     if version == "mgpu":
@@ -167,8 +181,8 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
         f16 = tuple(x.astype(jnp.float16) for x in (q, k, v))
         args = {spec: f16 if parse_variant(spec)[0] == "mgpu" else (q, k, v) for spec in variants}
         for pss in passes:
-            fns = {spec: _jax_pass(_attention_fn(spec, modules, entries, causal, policy), pss)
-                   for spec in variants}
+            fns = {spec: _jax_pass(_attention_fn(spec, modules, entries, causal, policy), pss,
+                                   compiler_options(spec)) for spec in variants}
             per_round = {}
             ms = timed_interleaved(fns, args, reps, rounds, sync=sync, per_round=per_round,
                                    log=lambda m, p=pss, sh=shape: log(f"{sh} {p} {m}"),
@@ -181,10 +195,9 @@ def run(old_root, shapes, passes, variants, rounds, reps, entries=None, causal=T
                     ran["launch"] = new.plan(q, k, v, **call_kwargs(spec, entries, causal, policy)
                                              ).launch.to_dict()
                 records.append(dict(
-                    impl={"cudnn": "cudnn", "mgpu": "jax_mgpu_attention"}.get(version,
-                                                                             f"jax_flash@{version}"),
-                    policy=None if version in ("cudnn", "mgpu") else policy,
-                    stable=None if version in ("cudnn", "mgpu") else stable, variant=spec,
+                    impl=IMPL_NAMES.get(version, f"jax_flash@{version}"),
+                    policy=None if version in REFERENCES else policy,
+                    stable=None if version in REFERENCES else stable, variant=spec,
                     shape=list(shape), causal=causal, **{"pass": pss}, ms=ms[spec],
                     tflops=pass_flops(shape, causal, pss) / ms[spec] / 1e9,
                     jax_version=jax.__version__, device=jax.devices()[0].device_kind, sync=sync,

@@ -3,12 +3,14 @@
     python -m lab.determinism [--shape 4x8192x16x128] [--variants new,cudnn] [--repeats 6]
         [--non-causal] [--out F.json]
 
-Variants as in ``lab.ab`` (``new``, ``new@ENTRY``, ``:stable``, ``cudnn``). Each variant's dQ, dK
-and dV of sum(O∘G), G a fixed random cotangent, are computed ``--repeats`` times on the same inputs
-in one process; per gradient the record gives how many distinct bit patterns came back and the
-largest difference from the first call's. The process's ``XLA_FLAGS`` are recorded with them: XLA
-asks cuDNN for its deterministic attention backward under ``--xla_gpu_deterministic_ops=true``, and
-its default backward may add dQ's parts in any order. Ours sums every gradient in a fixed order.
+Variants as in ``lab.ab`` (``new``, ``new@ENTRY``, ``:stable``, ``cudnn``, ``cudnn_det``). Each
+variant's dQ, dK and dV of sum(O∘G), G a fixed random cotangent, are computed ``--repeats`` times on
+the same inputs in one process; per gradient the record gives how many distinct bit patterns came
+back and the largest difference from the first call's. The process's ``XLA_FLAGS`` are recorded with
+them: XLA asks cuDNN for its deterministic attention backward under
+``--xla_gpu_deterministic_ops=true`` (for the whole process; ``cudnn_det`` sets the option for its
+own programs only), and its default backward may add dQ's parts in any order. Ours sums every
+gradient in a fixed order.
 """
 
 from __future__ import annotations
@@ -40,15 +42,15 @@ def distinct_runs(g, args, repeats: int) -> list[dict]:
     return [{"distinct": len(s), "max_abs_diff": w} for s, w in zip(seen, worst)]
 
 
-def gradient_fn(attn):
-    """dQ, dK, dV of sum(attn(q, k, v)∘G) (FP32 sum), jitted."""
+def gradient_fn(attn, compiler_options=None):
+    """dQ, dK, dV of sum(attn(q, k, v)∘G) (FP32 sum), jitted with ``compiler_options``."""
     import jax
     import jax.numpy as jnp
 
     def loss(q, k, v, cot):
         return jnp.sum(attn(q, k, v).astype(jnp.float32) * cot)
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options=compiler_options)
 
 
 def run(shape, variants, repeats: int, causal: bool = True):
@@ -64,7 +66,7 @@ def run(shape, variants, repeats: int, causal: bool = True):
     rows = []
     for name in variants:
         attn = ab._attention_fn(name, {"new": jax_flash}, ab.candidate_entries(), causal, "fa2")
-        g = gradient_fn(attn)
+        g = gradient_fn(attn, ab.compiler_options(name))
         got = dict(zip(("dq", "dk", "dv"), distinct_runs(g, (q, k, v, cot), repeats)))
         rows.append({"variant": name, **got})
         print(f"{name}: " + ", ".join(f"{n} {r['distinct']} distinct (max |diff| "

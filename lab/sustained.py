@@ -55,7 +55,7 @@ def run(shape, pss, variants, seconds, rounds):
     rng = np.random.default_rng(0)
     args = tuple(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
     fns = {v: _jax_pass(ab._attention_fn(v, {"new": jax_flash}, ab.candidate_entries(), True,
-                                         "fa2"), pss) for v in variants}
+                                         "fa2"), pss, ab.compiler_options(v)) for v in variants}
     for g in fns.values():  # compile and warm up outside the phases
         jax.block_until_ready([g(*args) for _ in range(3)])
     monitor = GpuMonitor()

@@ -866,7 +866,8 @@ def main(argv=None):
     out = {"shape": list(shape), "pass": a.pss, "jax_version": jax.__version__,
            "device": jax.devices()[0].device_kind, "variants": {}}
     for spec in a.variants.split(","):
-        fn = _jax_pass(ab._attention_fn(spec, {"new": jax_flash}, entries, True, "fa2"), a.pss)
+        fn = _jax_pass(ab._attention_fn(spec, {"new": jax_flash}, entries, True, "fa2"), a.pss,
+                       ab.compiler_options(spec))
         rows = trace_variant(fn, (q, k, v), a.calls, tempfile.mkdtemp(prefix="trace-"))
         s = summarize(rows)
         out["variants"][spec] = {**s, "rows": rows}

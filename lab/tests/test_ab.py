@@ -26,9 +26,27 @@ def test_parse_variant():
     assert ab.parse_variant("new") == ("new", None, False)
     assert ab.parse_variant("mosaic@e:stable") == ("mosaic", "e", True)
     assert ab.parse_variant("mgpu") == ("mgpu", None, False)
-    for bad in ("new:fast", "newer", "cudnn@t16", "mgpu:stable"):
+    assert ab.parse_variant("cudnn_det") == ("cudnn_det", None, False)
+    for bad in ("new:fast", "newer", "cudnn@t16", "mgpu:stable", "cudnn_det:stable"):
         with pytest.raises(ValueError):
             ab.parse_variant(bad)
+
+
+def test_deterministic_cudnn_compiles_with_xlas_option():
+    """``cudnn_det``'s programs, and only its, are compiled with ``xla_gpu_deterministic_ops``: the
+    option reaches XLA (an unknown option in its place fails the compilation)."""
+    import jax.numpy as jnp
+
+    from bench.attention import _jax_pass
+
+    assert ab.compiler_options("cudnn_det") == {"xla_gpu_deterministic_ops": True}
+    assert ab.compiler_options("cudnn") is None and ab.compiler_options("new:stable") is None
+    f = lambda q, k, v: q * k + v
+    x = jnp.ones((2, 3), jnp.float32)
+    for pss in ("fwd", "fwd+bwd", "bwd"):
+        _jax_pass(f, pss, ab.compiler_options("cudnn_det"))(x, x, x)
+        with pytest.raises(Exception, match="xla_no_such_option"):
+            _jax_pass(f, pss, {"xla_no_such_option": True})(x, x, x)
 
 
 def test_entries_split_into_tiles_and_a_launch():
