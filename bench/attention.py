@@ -141,16 +141,22 @@ def _warm(f, args, warm_ms, call_ms):
         jax.block_until_ready(out)
 
 
+# XLA options an implementation's programs are compiled with: under xla_gpu_deterministic_ops XLA
+# asks cuDNN for its deterministic attention backward (its default one sums dQ in no fixed order)
+COMPILER_OPTIONS = {"cudnn_deterministic": {"xla_gpu_deterministic_ops": True}}
+
+
 def _jax_impls(causal):
-    """(impl, policy, stable, fn) for every JAX implementation."""
+    """(impl, policy, stable, fn) for every JAX implementation (``COMPILER_OPTIONS``: how some of
+    them are compiled)."""
     for policy in ("fa2", "paper"):
         for stable in (False, True):
             yield "jax_flash", policy, stable, (
                 lambda q, k, v, p=policy, s=stable: jf.attention(q, k, v, causal=causal, policy=p,
                                                                   stable=s))
-    for impl in ("cudnn", "xla"):
-        yield impl, None, None, lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation=impl)
+    for impl in ("cudnn", "cudnn_deterministic", "xla"):
+        yield impl, None, None, lambda q, k, v, impl=impl.partition("_")[0]: (
+            jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl))
     try:
         from jax.experimental.pallas.ops.gpu import attention as pallas_mha
     except ImportError:
@@ -243,7 +249,8 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
         sync="call", warm_ms=0.0, sample_ms=0.0):
     """Records for every implementation; per (shape, causal, pass) the JAX ones are timed interleaved
     (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all; each sample of the
-    implementations compared (``ORDER_CHECKED``: "fa2" with and without the shift, cuDNN) after
+    implementations compared (``ORDER_CHECKED``: "fa2" with and without the shift, cuDNN and
+    cuDNN deterministic) after
     ``warm_ms`` of the same calls; a slower one's samples of about ``sample_ms``), PyTorch's after
     them. A record's ``calls`` is its calls a sample, ``warm_ms`` there where it had the warm-up."""
     records = []
@@ -257,7 +264,8 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
                         sync=sync, **({"sample_ms": sample_ms} if sample_ms else {}))
             impls = {(impl, policy, stable): f for impl, policy, stable, f in _jax_impls(causal)}
             for pss in passes:
-                fns = {key: _jax_pass(f, pss) for key, f in impls.items()}
+                fns = {key: _jax_pass(f, pss, COMPILER_OPTIONS.get(key[0]))
+                       for key, f in impls.items()}
                 rounds_ms, calls = {}, {}
                 ms = timed_interleaved(fns, (q, k, v), per_round, rounds, sync=sync,
                                        per_round=rounds_ms, warm_ms=warm_ms, warm=COMPARED,
@@ -376,10 +384,10 @@ def _stable_extra(records, shape, pss, causal=True):
     return f"{100 * (s['ms'] / b['ms'] - 1):+.1f} %"
 
 
-def _paired_speed(records, shape, pss, causal=True):
-    """cuDNN's time over ours (fa2, baseline) paired by round: the median of the rounds' ratios and
-    its 90 % interval, "—" where the records carry no per-round times."""
-    paired = _paired(_record(records, shape, causal, pss, "cudnn"),
+def _paired_speed(records, shape, pss, causal=True, impl="cudnn"):
+    """``impl``'s time (cuDNN's) over ours (fa2, baseline) paired by round: the median of the
+    rounds' ratios and its 90 % interval, "—" where the records carry no per-round times."""
+    paired = _paired(_record(records, shape, causal, pss, impl),
                      _record(records, shape, causal, pss, "jax_flash", "fa2", False))
     if not paired:
         return "—"
@@ -389,14 +397,16 @@ def _paired_speed(records, shape, pss, causal=True):
 
 def targets(records):
     """The speed targets as ratios within this run, per shape and mask (rows without the causal mask
-    say so): "fa2" fwd+bwd speed over cuDNN's
-    and over JAX's Pallas mha (and the forward's over cuDNN's), and the stable kernel's extra time over the baseline (fwd+bwd, fwd;
-    paired by round with a 90 % interval where the records have per-round times)."""
+    say so): "fa2" fwd+bwd speed over cuDNN's and over JAX's Pallas mha (and the forward's over
+    cuDNN's), the stable kernel's extra time over the baseline (fwd+bwd, fwd), and fwd+bwd over
+    cuDNN's default and deterministic backwards paired by round (a 90 % interval where the records
+    have per-round times)."""
     lines = ["\n### Targets (ratios within this run; speed ratio = other's ms / ours)",
              "| shape | fa2 vs cuDNN, fwd+bwd | fa2 vs Pallas mha, fwd+bwd | stable extra time, fwd+bwd "
              "| stable extra time, fwd | fa2 vs PyTorch FA2, fwd+bwd | fa2 vs cuDNN, fwd "
-             "| fa2 vs cuDNN, fwd+bwd, paired by round |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| fa2 vs cuDNN, fwd+bwd, paired by round "
+             "| fa2 vs cuDNN deterministic, fwd+bwd, paired by round |",
+             "|---|---|---|---|---|---|---|---|---|"]
     fmt_x = lambda a, b: f"{a / b:.2f}×" if a and b else "—"
     cases = dict.fromkeys((tuple(r["shape"]), r["causal"]) for r in records)
     for shape, causal in sorted(cases, key=lambda c: not c[1]):  # the causal rows first
@@ -410,14 +420,16 @@ def targets(records):
             _stable_extra(records, shape, "fwd", causal),
             fmt_x(ms("fwd+bwd", "torch_flash"), fa2),
             fmt_x(ms("fwd", "cudnn"), ms("fwd", "jax_flash", "fa2", False)),
-            _paired_speed(records, shape, "fwd+bwd", causal)]) + " |")
+            _paired_speed(records, shape, "fwd+bwd", causal),
+            _paired_speed(records, shape, "fwd+bwd", causal, "cudnn_deterministic")]) + " |")
     lines.append("\nTargets: fa2 ≥ 1.0× cuDNN, forward and fwd+bwd, at every shape (≥ 1.05× fwd+bwd at "
                  "32×1024×12×64); the stable shift ≤ +4 % fwd+bwd.")
     return "\n".join(lines) + "\n"
 
 
 ORDER_CHECKED = (("fa2", "jax_flash", "fa2", False), ("fa2 stable", "jax_flash", "fa2", True),
-                 ("cuDNN", "cudnn", None, None))
+                 ("cuDNN", "cudnn", None, None),
+                 ("cuDNN deterministic", "cudnn_deterministic", None, None))
 # (impl, policy, stable) of the implementations the targets compare
 COMPARED = frozenset(tuple(key) for _, *key in ORDER_CHECKED)
 
@@ -446,6 +458,7 @@ def order_check(records, pss="fwd+bwd"):
 
 SERIES = (("jax-flash fa2", "jax_flash", "fa2", False), ("jax-flash fa2 stable", "jax_flash", "fa2", True),
           ("jax-flash paper", "jax_flash", "paper", False), ("cuDNN", "cudnn", None, None),
+          ("cuDNN deterministic", "cudnn_deterministic", None, None),
           ("PyTorch FA2", "torch_flash", None, None), ("JAX Pallas mha", "jax_pallas_mha", None, None),
           ("XLA", "xla", None, None))
 
@@ -510,8 +523,11 @@ def timing_line(records):
     elif all(r.get("warm_ms") for r in records if r["impl"] != "torch_flash"):
         warm = f", each sample after {warmed[0]['warm_ms']:g} ms of its own calls"
     else:
-        warm = (f", each sample of fa2, fa2 stable and cuDNN after {warmed[0]['warm_ms']:g} ms of"
-                " its own calls, the others' without")
+        keys = {(r["impl"], r["policy"], r["stable"]) for r in warmed}
+        names = [label for label, *key in ORDER_CHECKED if tuple(key) in keys] or ["some"]
+        listed = ", ".join(names[:-1]) + " and " * (len(names) > 1) + names[-1]
+        warm = (f", each sample of {listed} after {warmed[0]['warm_ms']:g} ms of its own calls,"
+                " the others' without")
     sample = records[0].get("sample_ms") if records else None
     if sample:
         n = max(r.get("calls", 0) for r in records)

@@ -8,9 +8,9 @@
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT, STEP_TIMEOUT, STEP_BUDGET, DROPIN_TIMEOUT (seconds);
 #      SHAPES and BENCH_ARGS (bench.attention's timing and mask arguments; default "--sync round
 #      --non-causal --warm-ms 300 --sample-ms 100", the table of record's: calls back to back, each
-#      shape with and without the mask, each sample of fa2 and cuDNN after 300 ms of the same calls,
-#      a slow reference's samples about 100 ms; 12 rounds of 6 calls: by the per-round times of a
-#      5-round run, about 390 s on an H100, an estimate);
+#      shape with and without the mask, each sample of fa2 (± the shift), cuDNN and cuDNN
+#      deterministic after 300 ms of the same calls, a slow reference's samples about 100 ms; 12
+#      rounds of 6 calls: 353 s on an H100 before cuDNN deterministic joined, more with it);
 #      STEP_ARMS, STEP_BATCH, STEP_PRIMARY (fa2-stable), STEP_ROUNDS (1) for the step
 #      (bench.train_step --arms, --batch, --primary, --rounds); STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as
 #      profile-compare.md and profile.tgz), STEP_PROFILE_STEPS (--profile-steps, 3);

@@ -188,6 +188,25 @@ def test_slow_fns_take_fewer_calls_and_only_named_ones_are_warmed(monkeypatch):
         assert seq[6:] == [x for x in ["a", "b", "c", "c", "b", "a"] for _ in range(n[x])], sync
 
 
+def test_run_compiles_deterministic_cudnn_with_xlas_option(monkeypatch):
+    """The implementation named cudnn_deterministic, and only it, has its programs compiled with
+    ``xla_gpu_deterministic_ops`` (what makes XLA ask cuDNN for its deterministic backward)."""
+    det, other = (lambda q, k, v: q * 2), (lambda q, k, v: q * 3)
+    monkeypatch.setattr(bench, "_jax_impls", lambda causal: [
+        ("cudnn_deterministic", None, None, det), ("xla", None, None, other)])
+    monkeypatch.setattr(bench, "_torch_records", lambda *a, **k: [])
+    seen, real = {}, bench._jax_pass
+
+    def spy(f, pss, compiler_options=None):
+        seen[f] = compiler_options
+        return real(f, pss, compiler_options)
+
+    monkeypatch.setattr(bench, "_jax_pass", spy)
+    recs = bench.run([(1, 32, 1, 16)], reps=2, passes=("fwd",), rounds=2, log=lambda m: None)
+    assert seen == {det: {"xla_gpu_deterministic_ops": True}, other: None}
+    assert {r["impl"] for r in recs} == {"cudnn_deterministic", "xla"}
+
+
 def test_run_warms_only_the_compared_implementations(monkeypatch):
     """``bench.attention.run`` gives the warm-up and ``sample_ms`` to ``timed_interleaved`` with
     "fa2" (with and without the shift) and cuDNN named to be warmed; the records say which had the
@@ -205,14 +224,16 @@ def test_run_warms_only_the_compared_implementations(monkeypatch):
     recs = bench.run([(1, 64, 1, 16)], reps=4, passes=("fwd",), rounds=2, sync="round",
                      warm_ms=300.0, sample_ms=100.0, log=lambda m: None)
     assert seen["warm"] == {("jax_flash", "fa2", False), ("jax_flash", "fa2", True),
-                            ("cudnn", None, None)} and seen["warm"] <= seen["names"]
+                            ("cudnn", None, None), ("cudnn_deterministic", None, None)}
+    assert seen["warm"] <= seen["names"]
     assert seen["warm_ms"] == 300.0 and seen["sample_ms"] == 100.0
     warmed = {(r["impl"], r["policy"], r["stable"]) for r in recs if r.get("warm_ms") == 300.0}
     assert warmed == seen["warm"]
     assert {r["calls"] for r in recs if r["impl"] == "xla"} == {1}
     assert all(r["sample_ms"] == 100.0 for r in recs)
     line = bench.timing_line(recs)
-    assert "each sample of fa2, fa2 stable and cuDNN after 300 ms" in line, line
+    assert ("each sample of fa2, fa2 stable, cuDNN and cuDNN deterministic after 300 ms"
+            in line), line
     assert "up to 2 calls a sample" in line and "fill 100 ms" in line, line
 
 
@@ -353,7 +374,7 @@ def test_targets_table_from_records(tmp_path):
             rec("jax_flash", "fwd", 1.0, "fa2", False), rec("jax_flash", "fwd", 1.5, "fa2", True),
             rec("cudnn", "fwd+bwd", 1.6), rec("jax_pallas_mha", "fwd+bwd", 3.0), rec("cudnn", "fwd", 0.9)]
     table = bench.targets(recs)
-    assert "| 32×1024×12×64 | 0.80× | 1.50× | +5.0 % | +50.0 % | — | 0.90× | — |" in table
+    assert "| 32×1024×12×64 | 0.80× | 1.50× | +5.0 % | +50.0 % | — | 0.90× | — | — |" in table
     path = tmp_path / "2026-01-02-Test_GPU.json"
     path.write_text(json.dumps(recs))
     bench.main(["--from-json", str(path), "--md", str(tmp_path / "B.md")])
@@ -371,12 +392,16 @@ def test_targets_table_from_records(tmp_path):
     ours = dict(recs[0], rounds_ms=[2.0 * d for d in drift])
     cudnn = dict(recs[4], rounds_ms=[2.0 * d * q for d, q in zip(drift, ratio)])
     speed = [ours] + recs[1:4] + [cudnn] + recs[5:]
-    assert "| 0.90× | 0.900× (0.900 … 1.200) |" in bench.targets(speed)
+    assert "| 0.90× | 0.900× (0.900 … 1.200) | — |" in bench.targets(speed)
+    # and cuDNN's deterministic backward in the last column: 1.4 of ours in every round
+    det = dict(recs[4], impl="cudnn_deterministic", rounds_ms=[2.8 * d for d in drift])
+    assert "| 0.900× (0.900 … 1.200) | 1.400× (1.400 … 1.400) |" in bench.targets(speed + [det])
     # the same records without the causal mask, after the causal ones: a row of their own
     full = [dict(r, causal=False, ms=r["ms"] * (2.2 if r["stable"] else 2.0)) for r in recs]
     rows = [line for line in bench.targets(full + recs).splitlines() if line.startswith("| 32")]
-    assert rows == ["| 32×1024×12×64 | 0.80× | 1.50× | +5.0 % | +50.0 % | — | 0.90× | — |",
-                    "| 32×1024×12×64, no mask | 0.80× | 1.50× | +15.5 % | +65.0 % | — | 0.90× | — |"]
+    assert rows == ["| 32×1024×12×64 | 0.80× | 1.50× | +5.0 % | +50.0 % | — | 0.90× | — | — |",
+                    "| 32×1024×12×64, no mask | 0.80× | 1.50× | +15.5 % | +65.0 % | — | 0.90× | — "
+                    "| — |"]
 
 
 def test_order_check_compares_forward_and_reversed_rounds(tmp_path):
@@ -393,10 +418,11 @@ def test_order_check_compares_forward_and_reversed_rounds(tmp_path):
 
     recs = [rec("jax_flash", [8.0, 7.4] * 3, "fa2", False),
             rec("jax_flash", [7.5] * 6, "fa2", True),
-            rec("cudnn", None), rec("cudnn", [7.0, 7.1, 7.0], causal=False)]
+            rec("cudnn", None), rec("cudnn", [7.0, 7.1, 7.0], causal=False),
+            rec("cudnn_deterministic", [10.0, 10.5] * 3)]
     rows = [line for line in bench.order_check(recs).splitlines() if line.startswith("| 4")]
-    assert rows == ["| 4×8192×16×128 | ×1.081 | ×1.000 | — |",
-                    "| 4×8192×16×128, no mask | — | — | — |"]
+    assert rows == ["| 4×8192×16×128 | ×1.081 | ×1.000 | — | ×0.952 |",
+                    "| 4×8192×16×128, no mask | — | — | — | — |"]
     path = tmp_path / "2026-01-02-Test_GPU.json"
     for warm, says in ((None, "no warm-up"), (300.0, "each sample after 300 ms of its own calls")):
         path.write_text(json.dumps([dict(r, **({"warm_ms": warm} if warm else {})) for r in recs]))
