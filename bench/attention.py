@@ -249,10 +249,9 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
         sync="call", warm_ms=0.0, sample_ms=0.0):
     """Records for every implementation; per (shape, causal, pass) the JAX ones are timed interleaved
     (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all; each sample of the
-    implementations compared (``ORDER_CHECKED``: "fa2" with and without the shift, cuDNN and
-    cuDNN deterministic) after
-    ``warm_ms`` of the same calls; a slower one's samples of about ``sample_ms``), PyTorch's after
-    them. A record's ``calls`` is its calls a sample, ``warm_ms`` there where it had the warm-up."""
+    implementations compared (``ORDER_CHECKED``: "fa2" with and without the shift, cuDNN, cuDNN
+    deterministic) after ``warm_ms`` of the same calls; a slower one's samples of about
+    ``sample_ms``), PyTorch's after them. A record's ``calls`` is its calls a sample, ``warm_ms`` there where it had the warm-up."""
     records = []
     dev = jax.devices()[0].device_kind
     per_round = max(1, -(-reps // rounds))

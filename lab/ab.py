@@ -87,9 +87,11 @@ REFERENCES = tuple(IMPL_NAMES)
 
 
 def compiler_options(spec: str) -> dict | None:
-    """XLA options a variant's timed programs are compiled with: ``cudnn_det`` gets
-    ``xla_gpu_deterministic_ops``, the rest none."""
-    return {"xla_gpu_deterministic_ops": True} if parse_variant(spec)[0] == "cudnn_det" else None
+    """XLA options a variant's timed programs are compiled with, as ``bench.attention`` compiles
+    the implementation it names (``cudnn_det``: ``xla_gpu_deterministic_ops``; the rest none)."""
+    from bench.attention import COMPILER_OPTIONS
+
+    return COMPILER_OPTIONS.get(IMPL_NAMES.get(parse_variant(spec)[0]))
 
 
 def parse_variant(spec: str):
