@@ -10,7 +10,8 @@ PyTorch's flash kernel, plus compiled memory footprints.
 
 Method: bfloat16 inputs; every implementation compiled and warmed up, then timed in one process,
 the JAX ones of each case interleaved over ``--rounds`` rounds (``timed_interleaved``; each
-sample of the implementations compared — "fa2" with and without the shift, cuDNN — after
+sample of the implementations compared — "fa2" with and without the shift, cuDNN, cuDNN
+deterministic — after
 ``--warm-ms`` of the same calls back to back, untimed), ≥ ``--reps`` calls each, or for a slow
 reference implementation as many as fill ``--sample-ms`` a round; a figure is the median. FLOPs
 count the two matrix products of the forward, 4·B·H·T²·D (half of it causal), and the backward as
@@ -19,7 +20,8 @@ computes. Interpretation of the results: docs/PERFORMANCE.md.
 Records:
 ``{"impl", "policy", "stable", "shape", "causal", "pass", "ms", "tflops", "jax_version", "device",
 "sync", "calls", "rounds_ms", ...}`` (``warm_ms`` on the records that had the warm-up)
-with impl in jax_flash, cudnn, xla, jax_pallas_mha, torch_flash (the last two when importable). Memory
+with impl in jax_flash, cudnn, cudnn_deterministic, xla, jax_pallas_mha, torch_flash (the last two
+when importable). Memory
 (``…-memory.json`` beside it): ``{"impl", "pass": "fwd+bwd", "shape", "temp_bytes", ...}`` from the
 compiled executable's ``memory_analysis()`` — flash attention should need nothing quadratic in T.
 """
@@ -251,7 +253,8 @@ def run(shapes, reps, causal_modes=(True,), passes=("fwd", "fwd+bwd"), log=print
     (``timed_interleaved``: ``rounds`` rounds, ≥ ``reps`` calls each in all; each sample of the
     implementations compared (``ORDER_CHECKED``: "fa2" with and without the shift, cuDNN, cuDNN
     deterministic) after ``warm_ms`` of the same calls; a slower one's samples of about
-    ``sample_ms``), PyTorch's after them. A record's ``calls`` is its calls a sample, ``warm_ms`` there where it had the warm-up."""
+    ``sample_ms``), PyTorch's after them. A record's ``calls`` is its calls a sample, ``warm_ms``
+    there where it had the warm-up."""
     records = []
     dev = jax.devices()[0].device_kind
     per_round = max(1, -(-reps // rounds))
@@ -660,7 +663,8 @@ def main(argv=None):
                     help="call: wait for every call (each sample has the per-call host time in it); "
                          "round: dispatch a round's calls back to back, wait once (kernel throughput)")
     ap.add_argument("--warm-ms", type=float, default=300.0,
-                    help="before each sample of fa2 (with and without the shift) and cuDNN, the "
+                    help="before each sample of fa2 (with and without the shift), cuDNN and "
+                         "cuDNN deterministic, the "
                          "same calls back to back, untimed, this long (timed_interleaved: each "
                          "sample in its own sustained state; 0: none)")
     ap.add_argument("--sample-ms", type=float, default=100.0,

@@ -1,7 +1,7 @@
 """Whether a table's order biases it under the GPU's power cap: ``bench.attention``'s JAX
-implementations at one shape (all but the slow "paper" policy), timed interleaved as the table
-times them, alternately without and with a warm-up before each sample (``timed_interleaved``'s
-``warm_ms``), each setting run ``--repeats`` times in one process.
+implementations at one shape (all but the slow "paper" policy and cuDNN deterministic), timed
+interleaved as the table times them, alternately without and with a warm-up before each sample
+(``timed_interleaved``'s ``warm_ms``), each setting run ``--repeats`` times in one process.
 
     python -m lab.warm_order [--shape 4x8192x16x128] [--warm-ms 300] [--repeats 2]
         [--rounds 10] [--reps 6] [--non-causal] [--out FILE.json]
@@ -33,7 +33,8 @@ def run(shape, warm_ms, repeats, rounds, reps, causal=True, log=print):
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
     fns = {str((impl, policy, stable)): ba._jax_pass(f, "fwd+bwd")
-           for impl, policy, stable, f in ba._jax_impls(causal) if policy != "paper"}
+           for impl, policy, stable, f in ba._jax_impls(causal)
+           if policy != "paper" and impl not in ba.COMPILER_OPTIONS}  # as the experiment ran
     log(f"{jax.devices()[0].device_kind} {list(fns)}")
     runs = {}
     for warm in (0.0, float(warm_ms)) * repeats:
