@@ -10,7 +10,7 @@
 #      --non-causal --warm-ms 300 --sample-ms 100", the table of record's: calls back to back, each
 #      shape with and without the mask, each sample of fa2 (± the shift), cuDNN and cuDNN
 #      deterministic after 300 ms of the same calls, a slow reference's samples about 100 ms; 12
-#      rounds of 6 calls: 353 s on an H100 before cuDNN deterministic joined, more with it);
+#      rounds of 6 calls: 353 s on an H100 before cuDNN deterministic joined, 379–396 s with it);
 #      STEP_ARMS, STEP_BATCH, STEP_PRIMARY (fa2-stable), STEP_ROUNDS (1) for the step
 #      (bench.train_step --arms, --batch, --primary, --rounds); STEP_PROFILE_ARMS (--profile-arms: several arms profiled, returned as
 #      profile-compare.md and profile.tgz), STEP_PROFILE_STEPS (--profile-steps, 3);
