@@ -389,6 +389,36 @@ def test_gpu_heavy_first_changes_no_bit(stable, dpp):
     chex.assert_trees_all_equal(f(True), f(False))
 
 
+def assert_same_bits_every_run(fn, args, runs: int = 5):
+    """``runs`` calls of ``fn(*args)`` return the same bits each time."""
+    first = jax.device_get(fn(*args))
+    for _ in range(runs - 1):
+        chex.assert_trees_all_equal(jax.device_get(fn(*args)), first)
+
+
+@pytest.mark.parametrize("shape", [(4, 4096, 16, 128), (16, 1024, 12, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_same_call_gives_the_same_bits_every_run(shape):
+    """Every kernel sums each output in one fixed order, without atomic additions: one jitted call
+    run five times on the same inputs gives O, dQ, dK and dV bit for bit each time (causal, the
+    shipped launch: Mosaic kernels at head_dim 128, Triton at 64). cuDNN's default backward does not
+    (its dQ; ``python -m lab.determinism``)."""
+    q, k, v, do = (randn(90 + s, shape) for s in range(4))
+    f = jax.jit(lambda q, k, v, do: fwd_bwd(q, k, v, do, impl="pallas", causal=True))
+    assert_same_bits_every_run(f, (q, k, v, do))
+
+
+def test_gpu_bench_cudnn_deterministic_is_deterministic():
+    """The benchmark's cuDNN deterministic implementation, compiled with XLA's option as
+    ``bench.attention`` times it, returns the same gradients on every run."""
+    from bench import attention as ba
+
+    name = "cudnn_deterministic"
+    fn = next(f for impl, _, _, f in ba._jax_impls(True) if impl == name)
+    g = ba._jax_pass(fn, "fwd+bwd", ba.COMPILER_OPTIONS[name])
+    assert_same_bits_every_run(g, tuple(randn(95 + s, (4, 4096, 16, 128)) for s in range(3)))
+
+
 def test_gpu_explicit_mosaic_launch_that_cannot_run_raises():
     """Asked for explicitly, a Mosaic kernel that does not cover the call (T padded to 1088 rows,
     not a multiple of 128) raises; chosen by the table, the call runs the Triton kernel (``plan``
