@@ -664,9 +664,8 @@ def main(argv=None):
                          "round: dispatch a round's calls back to back, wait once (kernel throughput)")
     ap.add_argument("--warm-ms", type=float, default=300.0,
                     help="before each sample of fa2 (with and without the shift), cuDNN and "
-                         "cuDNN deterministic, the "
-                         "same calls back to back, untimed, this long (timed_interleaved: each "
-                         "sample in its own sustained state; 0: none)")
+                         "cuDNN deterministic, the same calls back to back, untimed, this long "
+                         "(timed_interleaved: each sample in its own sustained state; 0: none)")
     ap.add_argument("--sample-ms", type=float, default=100.0,
                     help="an implementation slower than this over --reps / --rounds calls takes as "
                          "many calls a sample as fill it, at least one (0: all take the same)")
