@@ -5,7 +5,7 @@
         [--entries lab/entries.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd]
         [--rounds 5] [--reps 10] [--non-causal] [--warm-ms 0] [--out FILE.json]  # on the GPU
     python -m lab.ab table FILE.json [...]            # markdown table of runs
-    python -m lab.ab ratio FILE.json [--variant new:stable] [--base new]  # paired per-round ratio
+    python -m lab.ab ratio FILE.json [...] [--variant new:stable] [--base new]  # paired per-round ratio
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``mosaic`` (the working
 tree with ``launch={"fwd_kernel": "mosaic"}``; a call the Mosaic GPU forward does not cover fails),
@@ -262,6 +262,31 @@ def ratio_lines(records, variant, base):
     return "\n".join(lines) + "\n"
 
 
+def runs_lines(runs, variant, base):
+    """``ratio`` over several runs of the same design (``runs``: (name, records) pairs): each run's
+    paired ratio per (shape, pass), then across the runs their range, median and how many read
+    ≥ ×1 — one run's interval says nothing of the next run's."""
+    lines = [f"| run | shape | pass | {variant} / {base}, median of rounds | 90 % interval | rounds |",
+             "|---|---|---|---|---|---|"]
+    per_case = {}
+    for name, records in runs:
+        for shape, pss in dict.fromkeys((tuple(r["shape"]), r["pass"]) for r in records):
+            try:
+                med, (lo, hi), n = paired_ratio(records, variant, base, shape, pss)
+            except KeyError:
+                continue
+            case = f"{'×'.join(map(str, shape))} | {pss}"
+            per_case.setdefault(case, []).append(med)
+            lines.append(f"| {name} | {case} | ×{med:.4f} | ×{lo:.4f} … ×{hi:.4f} | {n} |")
+    for case, meds in per_case.items():
+        meds = sorted(meds)
+        mid = (meds[(len(meds) - 1) // 2] + meds[len(meds) // 2]) / 2
+        at_least = sum(m >= 1.0 for m in meds)
+        lines.append(f"| {len(meds)} runs | {case} | median ×{mid:.4f} | ×{meds[0]:.4f} … "
+                     f"×{meds[-1]:.4f} (range) | {at_least} of {len(meds)} ≥ ×1 |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -283,13 +308,17 @@ def main(argv=None):
                    help="before each sample, the variant's calls back to back, untimed, this long")
     t = sub.add_parser("table", help="print the markdown table of result files")
     t.add_argument("files", nargs="+")
-    pr = sub.add_parser("ratio", help="paired per-round ratio of two variants, with a 90 %% interval")
-    pr.add_argument("file")
+    pr = sub.add_parser("ratio", help="paired per-round ratio of two variants, with a 90 %% interval;"
+                        " several files: each run's, then their range and median")
+    pr.add_argument("files", nargs="+")
     pr.add_argument("--variant", default="new:stable")
     pr.add_argument("--base", default="new")
     args = ap.parse_args(argv)
     if args.cmd == "ratio":
-        print(ratio_lines(json.loads(Path(args.file).read_text()), args.variant, args.base), end="")
+        runs = [(Path(f).name, json.loads(Path(f).read_text())) for f in args.files]
+        lines = (ratio_lines(runs[0][1], args.variant, args.base) if len(runs) == 1
+                 else runs_lines(runs, args.variant, args.base))
+        print(lines, end="")
         return
     if args.cmd == "prepare":
         print(prepare(args.rev))

@@ -179,6 +179,28 @@ def test_paired_ratio_cancels_the_drift_the_rounds_share():
                         "new:stable", "new", (4, 8192, 16, 128), "fwd+bwd")
 
 
+def test_ratio_over_runs_gives_each_and_their_range(tmp_path, capsys):
+    """``lab.ab ratio`` on several files: one row per run, then the runs' median, range and count of
+    runs at ×1 or above; one file keeps the one-run table."""
+    def run_of(ratio):
+        base = [8.0, 8.1, 7.9, 8.2]
+        return [dict(variant="new", shape=[4, 8192, 16, 128], rounds_ms=base, **{"pass": "fwd"}),
+                dict(variant="cudnn", shape=[4, 8192, 16, 128], **{"pass": "fwd"},
+                     rounds_ms=[t * ratio for t in base])]
+
+    files = []
+    for i, ratio in enumerate((0.99, 1.02, 1.005)):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(run_of(ratio)))
+    ab.main(["ratio", *map(str, files), "--variant", "cudnn", "--base", "new"])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].startswith("| r0.json | 4×8192×16×128 | fwd | ×0.9900 |")
+    assert rows[-1] == ("| 3 runs | 4×8192×16×128 | fwd | median ×1.0050 | ×0.9900 … ×1.0200 (range) |"
+                        " 2 of 3 ≥ ×1 |")
+    ab.main(["ratio", str(files[1]), "--variant", "cudnn", "--base", "new"])
+    assert capsys.readouterr().out.splitlines()[2].startswith("| 4×8192×16×128 | fwd | ×1.0200 |")
+
+
 @pytest.mark.parametrize("flag,causal", [([], True), (["--non-causal"], False)])
 def test_run_command_passes_the_mask(monkeypatch, flag, causal):
     """``lab.ab run`` times causal calls unless ``--non-causal`` is given."""
