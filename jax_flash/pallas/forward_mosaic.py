@@ -114,6 +114,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         # warpgroup 1 starts one turn behind, so that the two alternate from the first tile
         pl.when(wg == 1)(take_turn)
 
+        acc_ref = None  # compiled: the walk's O accumulator, each P̄·V left in flight (``walk``)
+
         def step(j, carry, masked: bool, half: bool = False):
             # j: the key tile; base + j − p_lo: its place in the ring; half: its first bk / 2 keys
             slot = ring_slot(base, j - p_lo)
@@ -121,19 +123,26 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             k_tile, v_tile = (r.at[slot, pl.ds(0, keys)] for r in (k_smem, v_smem))
             plgpu.barrier_wait(k_ready.at[slot])
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo, k_tile.T)
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, qo, k_tile.T)
                 take_turn()  # the QKᵀ is issued: the other warpgroup's softmax may end
-                return acc_ref[...]
+                return s_ref[...]  # waits for every product: the last tile's P̄·V too
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, keys), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
+            if acc_ref is not None:  # the last tile's P̄·V has completed: its V slot is free
+                pl.when(j > lo)(lambda: plgpu.barrier_arrive(v_free.at[ring_slot(base,
+                                                                                  j - 1 - p_lo)]))
             if not cfg.scale_late:  # tile.forward_scores for "fa2"
                 s = s * cfg.score_scale
             mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
             m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
                                                                 floor=tile.floor_positive)
-            acc = carry.acc * alpha[:, None]  # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
+            # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
+            if acc_ref is not None:
+                acc_ref[...] = acc_ref[...] * alpha[:, None]
+            else:
+                acc = carry.acc * alpha[:, None]
             if PINGPONG:
                 plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
             plgpu.barrier_wait(v_ready.at[slot])
@@ -141,6 +150,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
                 plgpu.barrier_wait(turn)
 
             # P̄ from registers, acc·α as the accumulator: acc·α + P̄·V in the MMA
+            if acc_ref is not None:
+                # not awaited: the next tile's QKᵀ queues behind it, with no wait between the two
+                plgpu.wgmma(acc_ref, p_bar, v_tile)
+                return tile.Carry(m_new, l_new, None, None)
             p_stage = p_smem.at[wg, :, pl.ds(0, keys)] if interpret else None
             acc = mosaic_common.mma_into(acc, p_bar, v_tile, p_stage, interpret)
             plgpu.barrier_arrive(v_free.at[slot])
@@ -157,30 +170,50 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             plgpu.barrier_arrive(v_free.at[slot])
             take_turn()
 
-        carry = tile.init_carry(ROWS_PER_WG, d, cfg)
-        # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
-        # window's right edge
-        # the last tile is masked under a causal diagonal, a window's right edge or a length that
-        # ends inside a tile (the tiles past the length are not streamed)
-        bounds = (lo, full_lo, full_hi, hi)
-        carry = mosaic_common.visit_tiles(step, skip, carry, (p_lo, p_hi), bounds,
-                                          masked_first=cfg.window is not None,
-                                          masked_last=cfg.causal or cfg.window is not None
-                                          or cfg.kv_len % bk != 0,
-                                          half_last=half_last(rows, ROWS_PER_WG, bk, cfg, bounds))
-        pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
+        def flush(carry):  # the last P̄·V completes; its V slot is released before any skip waits
+            acc = acc_ref[...]
+            pl.when(hi > lo)(lambda: plgpu.barrier_arrive(v_free.at[ring_slot(base,
+                                                                               hi - 1 - p_lo)]))
+            return carry._replace(acc=acc)
 
-        o, lse = tile.finish(carry, cfg)
-        qo[...] = o.astype(qo.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo, o_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head])
-        # L straight from registers: 256 bytes a warpgroup, not worth the shared memory a TMA
-        # store needs (1 KiB with alignment, the margin a third K/V stage needs at head_dim 128)
-        lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)][...] = lse
-        # persistent: once O is read out, the producer may load an item's Q into the buffer
-        plgpu.wait_smem_to_gmem(0, wait_read_only=persistent)
-        if persistent:
-            plgpu.barrier_arrive(q_free.at[buf])
+        def walk(ref=None):
+            nonlocal acc_ref
+            acc_ref = ref
+            carry = tile.init_carry(ROWS_PER_WG, d, cfg)
+            if ref is not None:
+                carry = carry._replace(acc=None)
+            # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
+            # window's right edge
+            # the last tile is masked under a causal diagonal, a window's right edge or a length
+            # that ends inside a tile (the tiles past the length are not streamed)
+            bounds = (lo, full_lo, full_hi, hi)
+            carry = mosaic_common.visit_tiles(
+                step, skip, carry, (p_lo, p_hi), bounds, masked_first=cfg.window is not None,
+                masked_last=cfg.causal or cfg.window is not None or cfg.kv_len % bk != 0,
+                half_last=half_last(rows, ROWS_PER_WG, bk, cfg, bounds),
+                flush=flush if ref is not None else None)
+            pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
+            store(carry)
+
+        def store(carry):
+            o, lse = tile.finish(carry, cfg)
+            qo[...] = o.astype(qo.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[batch, pl.ds(rows, ROWS_PER_WG), head])
+            # L straight from registers: 256 bytes a warpgroup, not worth the shared memory a TMA
+            # store needs (1 KiB with alignment, the margin a third K/V stage needs at head_dim 128)
+            lse_ref.at[batch, head, pl.ds(rows, ROWS_PER_WG)][...] = lse
+            # persistent: once O is read out, the producer may load an item's Q into the buffer
+            plgpu.wait_smem_to_gmem(0, wait_read_only=persistent)
+            if persistent:
+                plgpu.barrier_arrive(q_free.at[buf])
+
+        if interpret:  # the interpreter has no run_state: each P̄·V awaited (mma_into)
+            walk()
+        else:
+            zeros = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32),
+                                      plgpu.Layout.WGMMA)
+            pl.run_state(walk)(plgpu.ACC.init(zeros))
 
     def ring_slot(base, j):  # the ring position of an item's j-th streamed tile
         return lax.rem(base + j if persistent else j, stages)

@@ -120,14 +120,15 @@ class Stream(NamedTuple):
 
 
 def visit_tiles(step, skip, carry, program, bounds, *, masked_first: bool, masked_last: bool,
-                half_last=None):
+                half_last=None, flush=None):
     """A consumer's walk over the program's tiles ``program = (p_lo, p_hi)``: with
     ``bounds = (lo, full_lo, full_hi, hi)``, tiles [p_lo, lo) and [hi, p_hi) only release their ring
     slot (``skip(j, None)``), [lo, full_lo) and [full_hi, hi) run ``step(j, carry, masked=True)``,
     [full_lo, full_hi) ``masked=False``. ``masked_first`` / ``masked_last``: whether the leading /
     trailing edge can hold masked or unseen tiles at all (without, those loops are not emitted).
     ``half_last``: ``tile.kv_half_last`` (traced 0 or 1), tile hi − 1 then runs
-    ``step(j, carry, masked=True, half=True)``, on the first half of its keys."""
+    ``step(j, carry, masked=True, half=True)``, on the first half of its keys. ``flush(carry)``:
+    after the last step, before the trailing skips (a step's product still in flight ends there)."""
     p_lo, p_hi = program
     lo, full_lo, full_hi, hi = bounds
     if masked_first:
@@ -139,6 +140,9 @@ def visit_tiles(step, skip, carry, program, bounds, *, masked_first: bool, maske
         carry = lax.fori_loop(full_hi, end, functools.partial(step, masked=True), carry)
         if half_last is not None:  # a loop of 0 or 1 steps: one code path, no branch to merge
             carry = lax.fori_loop(end, hi, functools.partial(step, masked=True, half=True), carry)
+    if flush is not None:
+        carry = flush(carry)
+    if masked_last:
         lax.fori_loop(hi, p_hi, skip, None)
     return carry
 
