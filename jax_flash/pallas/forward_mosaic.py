@@ -12,7 +12,9 @@ With ``Launch.mosaic_fwd_persistent`` (the head_dim-128 tuning entries) one prog
 those blocks in turn, its K/V ring running on across them and the next block's Q loaded early.
 
 The two compute warpgroups take turns ("ping-pong", as in FlashAttention-3): one's softmax runs while
-the other's MMAs use the tensor cores. Chosen by ``Launch.fwd_kernel == "mosaic"`` (the tuning table
+the other's MMAs use the tensor cores. Compiled, a warpgroup does not wait for its P̄·V: the next
+tile's QKᵀ is issued behind it and the two are awaited together, so the tensor cores see no gap
+between them (the same products, so the same bits). Chosen by ``Launch.fwd_kernel == "mosaic"`` (the tuning table
 or the caller); ``jax_flash.plan`` runs the Triton kernel instead where ``check`` says this one does
 not cover the call, or raises if the caller asked for it.
 

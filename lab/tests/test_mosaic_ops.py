@@ -1,6 +1,7 @@
 """``lab.mosaic_ops`` catches the Mosaic GPU kernels' per-thread modules on a CPU (jax ≥ 0.11): the
 stable shift's tie count is per-entry work, visible in the op counts; a register split changes
-only its requests; the persistent forward keeps its products."""
+only its requests; the persistent forward keeps its products; the forward leaves each P̄·V in
+flight."""
 
 import re
 
@@ -83,3 +84,17 @@ def test_fwd_persistent_launches_programs_with_the_same_products():
     assert [tuple(map(int, m)) for m in LAUNCH.findall(ours)] == [(7, 1, 1)]
     for instr in ("wgmma.mma_async", "wgmma.commit_group", "wgmma.wait_group"):
         assert ours.count(instr) == plain.count(instr) > 0, instr
+
+
+WGMMA_SYNC = re.compile(r"wgmma\.(commit_group|wait_group)|scf\.yield")
+
+
+@pytest.mark.parametrize("causal,bodies", [(False, 1), (True, 3)])
+def test_fwd_leaves_each_pv_in_flight(causal, bodies):
+    """The forward's loop bodies (unmasked tiles; with the mask also the diagonal and its half
+    tile) end with P̄·V's commit group and no wait: the next tile's QKᵀ queues behind the product
+    instead of after its completion. A body that awaited P̄·V would show a wait before its yield."""
+    module = same_lowering.lowered(jax_flash, "fwd", (1, 512, 2, 128), causal)
+    seq = [m.group(1) or "yield" for m in WGMMA_SYNC.finditer(module)]
+    ends = sum(a == "commit_group" and b == "yield" for a, b in zip(seq, seq[1:]))
+    assert ends == bodies
