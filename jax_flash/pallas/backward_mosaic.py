@@ -167,8 +167,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             wait_ready(slot)
             plgpu.barrier_arrive(free.at[slot])
 
-        acc_refs = None  # compiled: (dK, dV) accumulators over the walk, dK's product in flight
-
         def step(b, carry, masked: bool, base=0):  # b: the query block; base + b − p_lo: ring step
             dk, dv = carry
             slot = lax.rem(base + b - p_lo, stages)
@@ -184,24 +182,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 return acc_ref[...]
 
             s_t = pl.run_scoped(sk, plgpu.ACC((bk, bq), jnp.float32))
-            if acc_refs is not None:  # the last block's dK product has completed: its slot is free
-                pl.when(b > lo)(lambda: plgpu.barrier_arrive(
-                    free.at[lax.rem(base + b - 1 - p_lo, stages)]))
             mask_t = (tile.tile_mask(b * bq, keys, bq, bk, cfg, transposed=True)
                       if masked else None)
             pol = cfg.policy
             p_t = p_tile(s_t, _along_keys(lse_v, (bk, bq), 1), mask_t, cfg)
             plgpu.barrier_wait(do_ready.at[slot])
-            if acc_refs is not None:
-                p_op = cast_rounded(p_t, pol.p_dtype)
-
-                def dv_dp_piped(dp_ref):
-                    plgpu.wgmma(acc_refs[1], p_op, do_tile)
-                    plgpu.wgmma(dp_ref, v_tile, do_tile.T)
-                    return dp_ref[...]
-
-                dp_t = pl.run_scoped(dv_dp_piped, plgpu.ACC((bk, bq), jnp.float32))
-            elif not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
+            if not interpret:  # Pᵀ from registers; dV and dPᵀ issued together, one wait
                 p_op = cast_rounded(p_t, pol.p_dtype)
 
                 def dv_dp(refs):
@@ -229,20 +215,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
             plgpu.barrier_wait(dlt_ready.at[slot])
             dlt_v = _query_vector(dlt_smem.at[slot], 1, interpret)
             ds_t = ds_tile(p_t, dp_t, _along_keys(dlt_v, (bk, bq), 1))
-            if acc_refs is not None:  # not awaited: the next block's Sᵀ queues behind it
-                plgpu.wgmma(acc_refs[0], cast_rounded(ds_t, pol.p_dtype), q_tile)
-                return carry
             ds_stage = staging[1].at[wg] if interpret else None
             dk = mosaic_common.mma_into(dk, cast_rounded(ds_t, pol.p_dtype), q_tile, ds_stage,
                                         interpret)
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
-
-        def flush(carry, base=0):  # the last dK product completes; its slot is released
-            plgpu.wgmma_wait(0)
-            pl.when(hi > lo)(lambda: plgpu.barrier_arrive(
-                free.at[lax.rem(base + hi - 1 - p_lo, stages)]))
-            return carry
 
         def one_head(i, carry):  # query head head·g + i: its n_steps query blocks
             base = i * n_steps
@@ -253,20 +230,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, dk_ref, dv_ref, scrat
                 functools.partial(step, base=base), functools.partial(skip, base=base), carry,
                 (p_lo, p_hi), (lo, full_lo, full_hi, hi),
                 masked_first=cfg.causal or cfg.window is not None,
-                masked_last=cfg.window is not None or cfg.kv_len < q_ref.shape[1],
-                flush=functools.partial(flush, base=base) if acc_refs is not None else None)
+                masked_last=cfg.window is not None or cfg.kv_len < q_ref.shape[1])
 
         zeros = wgmma_layout(jnp.zeros((bk, d), jnp.float32))
-        if interpret:
-            carry = (zeros, zeros)
-            dk, dv = one_head(0, carry) if g == 1 else lax.fori_loop(0, g, one_head, carry)
-        else:
-            def walk(refs):
-                nonlocal acc_refs
-                acc_refs = refs
-                one_head(0, (None, None)) if g == 1 else lax.fori_loop(0, g, one_head, (None, None))
-
-            dk, dv = pl.run_state(walk)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+        carry = (zeros, zeros)
+        dk, dv = one_head(0, carry) if g == 1 else lax.fori_loop(0, g, one_head, carry)
         k_tile[...] = (dk * cfg.sm_scale).astype(k_tile.dtype)
         v_tile[...] = dv.astype(v_tile.dtype)
         plgpu.commit_smem()
