@@ -5,7 +5,7 @@
         [--entries lab/entries.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd]
         [--rounds 5] [--reps 10] [--non-causal] [--warm-ms 0] [--out FILE.json]  # on the GPU
     python -m lab.ab table FILE.json [...]            # markdown table of runs
-    python -m lab.ab ratio FILE.json [...] [--variant new:stable] [--base new]  # paired per-round ratio
+    python -m lab.ab ratio FILE.json [...] [--variant new:stable] [--base new]  # paired ratio
 
 Variants: ``new`` (the working tree), ``old`` (the revision under ``--old``), ``mosaic`` (the working
 tree with ``launch={"fwd_kernel": "mosaic"}``; a call the Mosaic GPU forward does not cover fails),
@@ -266,8 +266,8 @@ def runs_lines(runs, variant, base):
     """``ratio`` over several runs of the same design (``runs``: (name, records) pairs): each run's
     paired ratio per (shape, pass), then across the runs their range, median and how many read
     ≥ ×1 — one run's interval says nothing of the next run's."""
-    lines = [f"| run | shape | pass | {variant} / {base}, median of rounds | 90 % interval | rounds |",
-             "|---|---|---|---|---|---|"]
+    head = f"| run | shape | pass | {variant} / {base}, median of rounds | 90 % interval | rounds |"
+    lines = [head, "|---|---|---|---|---|---|"]
     per_case = {}
     for name, records in runs:
         for shape, pss in dict.fromkeys((tuple(r["shape"]), r["pass"]) for r in records):
@@ -308,8 +308,8 @@ def main(argv=None):
                    help="before each sample, the variant's calls back to back, untimed, this long")
     t = sub.add_parser("table", help="print the markdown table of result files")
     t.add_argument("files", nargs="+")
-    pr = sub.add_parser("ratio", help="paired per-round ratio of two variants, with a 90 %% interval;"
-                        " several files: each run's, then their range and median")
+    pr = sub.add_parser("ratio", help="paired per-round ratio of two variants, with a 90 %% "
+                        "interval; several files: each run's, then their range and median")
     pr.add_argument("files", nargs="+")
     pr.add_argument("--variant", default="new:stable")
     pr.add_argument("--base", default="new")

@@ -195,8 +195,8 @@ def test_ratio_over_runs_gives_each_and_their_range(tmp_path, capsys):
     ab.main(["ratio", *map(str, files), "--variant", "cudnn", "--base", "new"])
     rows = capsys.readouterr().out.splitlines()
     assert rows[2].startswith("| r0.json | 4×8192×16×128 | fwd | ×0.9900 |")
-    assert rows[-1] == ("| 3 runs | 4×8192×16×128 | fwd | median ×1.0050 | ×0.9900 … ×1.0200 (range) |"
-                        " 2 of 3 ≥ ×1 |")
+    assert rows[-1] == ("| 3 runs | 4×8192×16×128 | fwd | median ×1.0050 | "
+                        "×0.9900 … ×1.0200 (range) | 2 of 3 ≥ ×1 |")
     ab.main(["ratio", str(files[1]), "--variant", "cudnn", "--base", "new"])
     assert capsys.readouterr().out.splitlines()[2].startswith("| 4×8192×16×128 | fwd | ×1.0200 |")
 
