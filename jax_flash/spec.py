@@ -155,6 +155,9 @@ class Launch:
     # Mosaic forward: one program per SM, each taking (batch, head, query block) items in turn with
     # one K/V ring across them, so the next item's loads overlap this one's end. Only the schedule.
     mosaic_fwd_persistent: bool = False
+    # Mosaic forward: tile j − 1's P̄·V issued behind tile j's QKᵀ, so that a warpgroup's softmax
+    # runs under its own product (FlashAttention-3's intra-warpgroup overlap). Only the schedule.
+    mosaic_fwd_overlap: bool = False
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -171,7 +174,7 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("mosaic_fwd_persistent", "heavy_first"):
+        for name in ("mosaic_fwd_persistent", "mosaic_fwd_overlap", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mosaic_bwd_regs is not None:

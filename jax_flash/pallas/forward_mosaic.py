@@ -79,7 +79,7 @@ def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: int, stages: int,
-            interpret: bool, programs: int | None = None):
+            interpret: bool, programs: int | None = None, overlap: bool = False):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -161,6 +161,49 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             plgpu.barrier_arrive(v_free.at[slot])
             return tile.Carry(m_new, l_new, acc, None)
 
+        void = lambda _: None
+
+        def step_ov(j, state, masked: bool, half: bool = False):
+            """Tile j with tile j − 1's P̄·V issued behind its QKᵀ, so that the softmax of tile j
+            runs under its own warpgroup's P̄·V (FlashAttention-3's intra-warpgroup overlap).
+            ``state``: (m, ℓ) and tile j − 1's P̄, whose product is still to be issued; acc_ref
+            holds acc·α of tile j − 1. A half tile issues its own P̄·V at once (the last tile)."""
+            carry, p_prev = state
+            slot, prev = ring_slot(base, j - p_lo), ring_slot(base, j - 1 - p_lo)
+            keys = bk // 2 if half else bk
+            k_tile, v_tile = (r.at[slot, pl.ds(0, keys)] for r in (k_smem, v_smem))
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, qo, k_tile.T)
+                pl.when(j > lo)(lambda: void(plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])))
+                take_turn()  # both products issued: the other warpgroup's softmax may end
+                # groups retire in order: one left in flight (tile j − 1's P̄·V) means S is in
+                pl.when(j > lo)(lambda: void(plgpu.wgmma_wait(1)))
+                pl.when(j == lo)(lambda: void(plgpu.wgmma_wait(0)))
+                return plgpu.wgmma_accumulator_load(s_ref, wait_n=None)
+
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, keys), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if not cfg.scale_late:  # tile.forward_scores for "fa2"
+                s = s * cfg.score_scale
+            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
+            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
+                                                                floor=tile.floor_positive)
+            plgpu.wgmma_wait(0)  # tile j − 1's P̄·V
+            pl.when(j > lo)(lambda: plgpu.barrier_arrive(v_free.at[prev]))
+            acc_ref[...] = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None) * alpha[:, None]
+            if PINGPONG:
+                plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
+            plgpu.barrier_wait(v_ready.at[slot])
+            if PINGPONG:
+                plgpu.barrier_wait(turn)
+            out = tile.Carry(m_new, l_new, None, None)
+            if half:  # the last tile: its P̄·V now, with the turn; flush only waits for it
+                plgpu.wgmma(acc_ref, p_bar, v_tile)
+                return out, p_prev
+            return out, p_bar
+
         def skip(j, _):
             # tiles outside this warpgroup's rows' view that the other one needs: release them only
             # after they arrived, so that each release counts towards this tile's phase of the barrier
@@ -172,11 +215,20 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             plgpu.barrier_arrive(v_free.at[slot])
             take_turn()
 
-        def flush(carry):  # the last P̄·V completes; its V slot is released before any skip waits
+        def flush_piped(carry):  # the last P̄·V completes; its V slot is released before skips
             acc = acc_ref[...]
             pl.when(hi > lo)(lambda: plgpu.barrier_arrive(v_free.at[ring_slot(base,
                                                                                hi - 1 - p_lo)]))
             return carry._replace(acc=acc)
+
+        def flush_ov(state, halved):  # the last P̄·V (issued here unless a half tile did)
+            carry, p = state
+            last = ring_slot(base, hi - 1 - p_lo)
+            pl.when((hi > lo) & (halved == 0))(
+                lambda: void(plgpu.wgmma(acc_ref, p, v_smem.at[last])))
+            acc = acc_ref[...]
+            pl.when(hi > lo)(lambda: plgpu.barrier_arrive(v_free.at[last]))
+            return carry._replace(acc=acc), p
 
         def walk(ref=None):
             nonlocal acc_ref
@@ -184,16 +236,28 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             carry = tile.init_carry(ROWS_PER_WG, d, cfg)
             if ref is not None:
                 carry = carry._replace(acc=None)
+            if ref is not None and overlap:  # no tile before the first: its P̄ is never used
+                p0 = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, bk), cfg.policy.p_dtype),
+                                       plgpu.Layout.WGMMA)
+                carry = (carry, p0)
             # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
             # window's right edge
             # the last tile is masked under a causal diagonal, a window's right edge or a length
             # that ends inside a tile (the tiles past the length are not streamed)
             bounds = (lo, full_lo, full_hi, hi)
+            halved = half_last(rows, ROWS_PER_WG, bk, cfg, bounds)
+            walk_step, flush = step, None
+            if ref is not None and overlap:
+                walk_step = step_ov
+                flush = functools.partial(flush_ov, halved=0 if halved is None else halved)
+            elif ref is not None:
+                flush = flush_piped
             carry = mosaic_common.visit_tiles(
-                step, skip, carry, (p_lo, p_hi), bounds, masked_first=cfg.window is not None,
+                walk_step, skip, carry, (p_lo, p_hi), bounds, masked_first=cfg.window is not None,
                 masked_last=cfg.causal or cfg.window is not None or cfg.kv_len % bk != 0,
-                half_last=half_last(rows, ROWS_PER_WG, bk, cfg, bounds),
-                flush=flush if ref is not None else None)
+                half_last=halved, flush=flush)
+            if ref is not None and overlap:
+                carry = carry[0]
             pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
             store(carry)
 
@@ -265,13 +329,16 @@ def forward_scratch(bk, d, dtype, stages, persistent=False):
 
 
 def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None,
-                   programs=None):
+                   programs=None, overlap=False):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
     tests only). ``stages``: the depth of the K/V ring (``Launch.mosaic_fwd_stages``, ≥ 2; None:
     ``STAGES``), which changes no value. ``programs``: None, a program per (batch, head, query
     block); else that many persistent programs (``Launch.mosaic_fwd_persistent``: one per SM),
-    each taking those items in turn with one K/V ring across them: the same per-item arithmetic."""
+    each taking those items in turn with one K/V ring across them: the same per-item arithmetic.
+    ``overlap`` (``Launch.mosaic_fwd_overlap``; compiled only, the interpreter runs the plain walk):
+    tile j − 1's P̄·V issued behind tile j's QKᵀ, so that tile j's softmax runs under it; the same
+    products on the same accumulators in the same order, so the same bits."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
                                and q.dtype == k.dtype == v.dtype):
@@ -293,7 +360,7 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
     body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, programs=programs)
+                             interpret=interpret is not None, programs=programs, overlap=overlap)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,

@@ -98,3 +98,16 @@ def test_fwd_leaves_each_pv_in_flight(causal, bodies):
     seq = [m.group(1) or "yield" for m in WGMMA_SYNC.finditer(module)]
     ends = sum(a == "commit_group" and b == "yield" for a, b in zip(seq, seq[1:]))
     assert ends == bodies
+
+
+@pytest.mark.parametrize("causal,bodies", [(False, 1), (True, 3)])
+def test_fwd_overlap_reads_the_scores_with_the_last_product_in_flight(causal, bodies):
+    """``Launch.mosaic_fwd_overlap`` (``overlap``): each loop body waits for all but one product
+    group (tile j − 1's P̄·V, issued after tile j's QKᵀ) before reading the scores, so the softmax
+    runs under that product; the default forward never does."""
+    wait_one = "wgmma.wait_group.sync.aligned 1;"
+    for persistent in (None, 3):
+        module = same_lowering.lowered(jax_flash, "fwd", (1, 512, 2, 128), causal, overlap=True,
+                                       programs=persistent)
+        assert module.count(wait_one) == bodies
+    assert same_lowering.lowered(jax_flash, "fwd", (1, 512, 2, 128), causal).count(wait_one) == 0
