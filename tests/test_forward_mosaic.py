@@ -155,8 +155,9 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     x = jnp.ones((1, 128, 1, 64), BF16)
     seen = []
 
-    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None, programs=None, overlap=False):
-        seen.append((q, k, v, cfg, o_dtype, stages, programs, overlap))
+    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None, programs=None, overlap=False,
+             regs=None):
+        seen.append((q, k, v, cfg, o_dtype, stages, programs, overlap, regs))
         return jnp.full(q.shape, 3.0, o_dtype), jnp.zeros((1, 1, 128), jnp.float32)
 
     monkeypatch.setattr(fm, "forward_mosaic", fake)
@@ -165,13 +166,14 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     assert not seen
     o, _ = pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_stages=3), o_dtype=BF16)
     assert len(seen) == 1 and all(a is x for a in seen[0][:3])
-    assert seen[0][3:] == (cfg, BF16, 3, None, False)
+    assert seen[0][3:] == (cfg, BF16, 3, None, False, None)
     assert np.all(f64(o) == 3)
     pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_persistent=True),
                o_dtype=BF16)
-    assert seen[1][5:] == (None, 7, False)  # a persistent program per SM
-    pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_overlap=True), o_dtype=BF16)
-    assert seen[2][5:] == (None, None, True)
+    assert seen[1][5:] == (None, 7, False, None)  # a persistent program per SM
+    pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_overlap=True,
+                                       mosaic_fwd_regs=(240, 24)), o_dtype=BF16)
+    assert seen[2][5:] == (None, None, True, (240, 24))
 
 
 @pytest.mark.parametrize("n_items, programs", [(12, 5), (12, 4), (7, 7), (3, 5), (4096, 132)])

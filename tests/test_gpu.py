@@ -386,14 +386,16 @@ def test_gpu_mosaic_fwd_overlap_changes_no_bit(kv_heads, window, causal, t, pers
         chex.assert_trees_all_equal(f(True), f(False))
 
 
+@pytest.mark.parametrize("field", ["mosaic_bwd_regs", "mosaic_fwd_regs"])
 @pytest.mark.parametrize("shape", [(2, 2048, 4, 128), (2, 1024, 4, 64)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_gpu_mosaic_bwd_regs_change_no_bit(shape):
-    """``Launch.mosaic_bwd_regs`` (240 registers a compute thread, 24 a producer's, against 232 and
-    40) changes only where the compiler keeps values: O, dQ, dK, dV bitwise the default split's."""
+def test_gpu_mosaic_regs_change_no_bit(shape, field):
+    """``Launch.mosaic_bwd_regs`` / ``mosaic_fwd_regs`` (240 registers a compute thread, 24 a
+    producer's, against 232 and 40) change only where the compiler keeps values: O, dQ, dK, dV
+    bitwise the default split's."""
     q, k, v, do = (randn(60 + s, shape) for s in range(4))
     f = lambda regs: run(q, k, v, do, impl="pallas", causal=True,
-                         launch={"bwd_kernel": "mosaic", "mosaic_bwd_regs": regs})
+                         launch={"fwd_kernel": "mosaic", "bwd_kernel": "mosaic", field: regs})
     chex.assert_trees_all_equal(f((240, 24)), f(None))
 
 

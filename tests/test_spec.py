@@ -49,7 +49,7 @@ def test_launch_fields_and_validation():
     full = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic_dkdv", fwd=(4, 3), bwd=(8, 2),
                      dq=(4, 2), split_diagonal=True, bwd_block=128, dq_block=64, prefetch_rows=True,
                      prefetch_scores=True, mosaic_fwd_stages=3, mosaic_bwd_stages=4,
-                     mosaic_bwd_regs=(240, 24),
+                     mosaic_bwd_regs=(240, 24), mosaic_fwd_regs=(240, 24),
                      mosaic_fwd_persistent=True, mosaic_fwd_overlap=True, heavy_first=True)
     assert jf.Launch.from_dict(full.to_dict()) == full
     assert jf.Launch.from_dict(json.loads(json.dumps(full.to_dict()))) == full  # lists → tuples
@@ -74,6 +74,7 @@ def test_launch_fields_and_validation():
                      ({"mosaic_bwd_regs": (168, 176)}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_regs": (240,)}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_regs": (240.0, 24)}, "mosaic_bwd_regs"),
+                     ({"mosaic_fwd_regs": (236, 40)}, "mosaic_fwd_regs"),
                      ({"mosaic_bwd_regs": {"compute": 240}}, "mosaic_bwd_regs")):
         with pytest.raises(ValueError, match=msg):
             jf.Launch.from_dict(bad)

@@ -129,7 +129,8 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None, pa
         programs = mosaic_common.sm_count() if launch.mosaic_fwd_persistent else None
         return forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=o_dtype,
                                              stages=launch.mosaic_fwd_stages, programs=programs,
-                                             overlap=launch.mosaic_fwd_overlap)
+                                             overlap=launch.mosaic_fwd_overlap,
+                                             regs=launch.mosaic_fwd_regs)
     bsz, tq, h, d = unpacked_shape(q.shape) if packed else q.shape
     tk = k.shape[1]
     bq, bk, g = cfg.block_q, cfg.block_k, cfg.groups

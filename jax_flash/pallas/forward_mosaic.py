@@ -79,7 +79,8 @@ def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: int, stages: int,
-            interpret: bool, programs: int | None = None, overlap: bool = False):
+            interpret: bool, programs: int | None = None, overlap: bool = False,
+            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -301,10 +302,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
                     lambda back=back, g=g: plgpu.barrier_wait(q_free.at[q_buffer(count - back, g)]))
 
     pl.when(wg < COMPUTE_WGS)(
-        lambda: mosaic_common.run_consumer(items, compute, COMPUTE_REGS, persistent))
+        lambda: mosaic_common.run_consumer(items, compute, regs[0], persistent))
     pl.when(wg == COMPUTE_WGS)(lambda: mosaic_common.run_kv_producer(
         items, k_ref, v_ref, cfg.groups, bk, (k_smem, k_ready, k_free), (v_smem, v_ready, v_free),
-        stages, PRODUCER_REGS, persistent, before=load_q if persistent else None,
+        stages, regs[1], persistent, before=load_q if persistent else None,
         after=last_q_waits if persistent else None))
 
 
@@ -329,7 +330,7 @@ def forward_scratch(bk, d, dtype, stages, persistent=False):
 
 
 def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None,
-                   programs=None, overlap=False):
+                   programs=None, overlap=False, regs=None):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
     tests only). ``stages``: the depth of the K/V ring (``Launch.mosaic_fwd_stages``, ≥ 2; None:
@@ -338,7 +339,8 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     each taking those items in turn with one K/V ring across them: the same per-item arithmetic.
     ``overlap`` (``Launch.mosaic_fwd_overlap``; compiled only, the interpreter runs the plain walk):
     tile j − 1's P̄·V issued behind tile j's QKᵀ, so that tile j's softmax runs under it; the same
-    products on the same accumulators in the same order, so the same bits."""
+    products on the same accumulators in the same order, so the same bits. ``regs``
+    (``Launch.mosaic_fwd_regs``): the (compute, producer) registers a thread; None: (232, 40)."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
                                and q.dtype == k.dtype == v.dtype):
@@ -360,7 +362,8 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
     body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, programs=programs, overlap=overlap)
+                             interpret=interpret is not None, programs=programs, overlap=overlap,
+                             regs=regs or (COMPUTE_REGS, PRODUCER_REGS))
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,

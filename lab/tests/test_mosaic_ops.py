@@ -41,19 +41,19 @@ def test_tie_count_grows_with_the_key_tile(monkeypatch):
 
 
 def _bwd_module(d, t=256, regs=None, kernel="dkdv", batch=1, heads=2):
-    """The causal dK/dV (or dQ) kernel's module at [batch, t, heads, d], without its per-process
-    dump name."""
+    """The causal dK/dV (or dQ, or forward) kernel's module at [batch, t, heads, d], without its
+    per-process dump name."""
     return same_lowering.lowered(jax_flash, kernel, (batch, t, heads, d), True, regs=regs)
 
 
 SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+);")
 
 
-@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
-def test_bwd_regs_change_only_the_register_requests(kernel):
-    """``Launch.mosaic_bwd_regs`` lowers for CUDA and changes only the immediates of the compute
-    warpgroups' ``setmaxnreg.inc`` and the producer's ``setmaxnreg.dec``: every other line of the
-    module is the default kernel's."""
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_regs_change_only_the_register_requests(kernel):
+    """``Launch.mosaic_bwd_regs`` (``mosaic_fwd_regs``) lowers for CUDA and changes only the
+    immediates of the compute warpgroups' ``setmaxnreg.inc`` and the producer's
+    ``setmaxnreg.dec``: every other line of the module is the default kernel's."""
     plain, ours = (_bwd_module(128, kernel=kernel, regs=r) for r in (None, (240, 24)))
     assert SETMAXNREG.findall(plain) == [("inc", "232"), ("dec", "40")]
     assert SETMAXNREG.findall(ours) == [("inc", "240"), ("dec", "24")]
