@@ -162,7 +162,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             plgpu.barrier_arrive(v_free.at[slot])
             return tile.Carry(m_new, l_new, acc, None)
 
-        void = lambda _: None
+        void = lambda _: None  # pl.when's branches return nothing; wgmma and its wait return values
 
         def step_ov(j, state, masked: bool, half: bool = False):
             """Tile j with tile j − 1's P̄·V issued behind its QKᵀ, so that the softmax of tile j
