@@ -364,14 +364,15 @@ def test_gpu_mosaic_fwd_persistent_changes_no_bit(shape, causal):
         chex.assert_trees_all_equal(f(True), f(False))
 
 
-@pytest.mark.parametrize("kv_heads,window,causal,t", [
-    (8, None, True, 2048), (8, None, False, 2048), (2, (256, 0), True, 2048),
-    (2, (128, 128), False, 2048), (8, None, True, 2000)], ids=lambda x: str(x).replace(" ", ""))
-@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("kv_heads,window,causal,t,persistent", [
+    (8, None, True, 2048, True), (8, None, False, 2048, True), (2, (256, 0), True, 2048, True),
+    (2, (128, 128), False, 2048, True), (8, None, True, 2000, False)],
+    ids=lambda x: str(x).replace(" ", ""))
 def test_gpu_mosaic_fwd_overlap_changes_no_bit(kv_heads, window, causal, t, persistent):
     """``Launch.mosaic_fwd_overlap`` only issues tile j − 1's P̄·V after tile j's QKᵀ: O and the
     gradients bitwise the default forward's, with the mask, without, with windows (tiles skipped at
-    both edges), GQA and a padded length (a last tile's half and masked keys), plain and stable."""
+    both edges), GQA and a padded length (a last tile's half and masked keys), persistent as the
+    tuning entries run it or a program per block, plain and stable."""
     q, do = randn(80, (2, t, 8, 128)), randn(81, (2, t, 8, 128))
     k, v = randn(82, (2, t, kv_heads, 128)), randn(83, (2, t, kv_heads, 128))
     for stable in (False, True):
