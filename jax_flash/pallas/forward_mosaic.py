@@ -164,11 +164,23 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
         void = lambda _: None  # pl.when's branches return nothing; wgmma and its wait return values
 
+        def pv_later(acc, p, v, when):
+            """Overlap: acc·α + P̄·V of an earlier tile where ``when``. Compiled, the product is
+            issued onto acc_ref and left in flight (``acc`` is None); interpreted, the sum is made
+            here, as ``mma_into`` makes it."""
+            if acc is None:
+                pl.when(when)(lambda: void(plgpu.wgmma(acc_ref, p, v)))
+                return None
+            stage = p_smem.at[wg, :, pl.ds(0, p.shape[1])]
+            return lax.cond(when, lambda: mosaic_common.mma_into(acc, p, v, stage, True),
+                            lambda: acc)
+
         def step_ov(j, state, masked: bool, half: bool = False):
             """Tile j with tile j − 1's P̄·V issued behind its QKᵀ, so that the softmax of tile j
             runs under its own warpgroup's P̄·V (FlashAttention-3's intra-warpgroup overlap).
-            ``state``: (m, ℓ) and tile j − 1's P̄, whose product is still to be issued; acc_ref
-            holds acc·α of tile j − 1. A half tile issues its own P̄·V at once (the last tile)."""
+            ``state``: (m, ℓ, and interpreted acc·α of tile j − 1, else acc_ref holds it) and tile
+            j − 1's P̄, whose product is still to be issued. A half tile, the last, issues its own
+            P̄·V at once."""
             carry, p_prev = state
             slot, prev = ring_slot(base, j - p_lo), ring_slot(base, j - 1 - p_lo)
             keys = bk // 2 if half else bk
@@ -177,33 +189,38 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
             def qk(s_ref):
                 plgpu.wgmma(s_ref, qo, k_tile.T)
-                pl.when(j > lo)(lambda: void(plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])))
+                acc = pv_later(carry.acc, p_prev, v_smem.at[prev], j > lo)
                 take_turn()  # both products issued: the other warpgroup's softmax may end
+                if interpret:
+                    return s_ref[...], acc
                 # groups retire in order: one left in flight (tile j − 1's P̄·V) means S is in
                 pl.when(j > lo)(lambda: void(plgpu.wgmma_wait(1)))
                 pl.when(j == lo)(lambda: void(plgpu.wgmma_wait(0)))
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=None)
+                return plgpu.wgmma_accumulator_load(s_ref, wait_n=None), None
 
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, keys), jnp.float32))
+            s, acc = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, keys), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             if not cfg.scale_late:  # tile.forward_scores for "fa2"
                 s = s * cfg.score_scale
             mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
             m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
                                                                 floor=tile.floor_positive)
-            plgpu.wgmma_wait(0)  # tile j − 1's P̄·V
+            if not interpret:
+                plgpu.wgmma_wait(0)  # tile j − 1's P̄·V
             pl.when(j > lo)(lambda: plgpu.barrier_arrive(v_free.at[prev]))
-            acc_ref[...] = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None) * alpha[:, None]
+            if interpret:
+                acc = acc * alpha[:, None]
+            else:
+                acc_ref[...] = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None) * alpha[:, None]
             if PINGPONG:
                 plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
             plgpu.barrier_wait(v_ready.at[slot])
             if PINGPONG:
                 plgpu.barrier_wait(turn)
-            out = tile.Carry(m_new, l_new, None, None)
             if half:  # the last tile: its P̄·V now, with the turn; flush only waits for it
-                plgpu.wgmma(acc_ref, p_bar, v_tile)
-                return out, p_prev
-            return out, p_bar
+                acc = pv_later(acc, p_bar, v_tile, True)
+                return tile.Carry(m_new, l_new, acc, None), p_prev
+            return tile.Carry(m_new, l_new, acc, None), p_bar
 
         def skip(j, _):
             # tiles outside this warpgroup's rows' view that the other one needs: release them only
@@ -225,9 +242,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
         def flush_ov(state, halved):  # the last P̄·V (issued here unless a half tile did)
             carry, p = state
             last = ring_slot(base, hi - 1 - p_lo)
-            pl.when((hi > lo) & (halved == 0))(
-                lambda: void(plgpu.wgmma(acc_ref, p, v_smem.at[last])))
-            acc = acc_ref[...]
+            acc = pv_later(carry.acc, p, v_smem.at[last], (hi > lo) & (halved == 0))
+            acc = acc_ref[...] if acc is None else acc
             pl.when(hi > lo)(lambda: plgpu.barrier_arrive(v_free.at[last]))
             return carry._replace(acc=acc), p
 
@@ -237,10 +253,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             carry = tile.init_carry(ROWS_PER_WG, d, cfg)
             if ref is not None:
                 carry = carry._replace(acc=None)
-            if ref is not None and overlap:  # no tile before the first: its P̄ is never used
-                p0 = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, bk), cfg.policy.p_dtype),
-                                       plgpu.Layout.WGMMA)
-                carry = (carry, p0)
+            if overlap:  # no tile before the first: its P̄ is never used
+                p0 = jnp.zeros((ROWS_PER_WG, bk), cfg.policy.p_dtype)
+                carry = (carry, p0 if interpret else plgpu.layout_cast(p0, plgpu.Layout.WGMMA))
             # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
             # window's right edge
             # the last tile is masked under a causal diagonal, a window's right edge or a length
@@ -248,7 +263,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             bounds = (lo, full_lo, full_hi, hi)
             halved = half_last(rows, ROWS_PER_WG, bk, cfg, bounds)
             walk_step, flush = step, None
-            if ref is not None and overlap:
+            if overlap:
                 walk_step = step_ov
                 flush = functools.partial(flush_ov, halved=0 if halved is None else halved)
             elif ref is not None:
@@ -257,7 +272,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
                 walk_step, skip, carry, (p_lo, p_hi), bounds, masked_first=cfg.window is not None,
                 masked_last=cfg.causal or cfg.window is not None or cfg.kv_len % bk != 0,
                 half_last=halved, flush=flush)
-            if ref is not None and overlap:
+            if overlap:
                 carry = carry[0]
             pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
             store(carry)
@@ -275,7 +290,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             if persistent:
                 plgpu.barrier_arrive(q_free.at[buf])
 
-        if interpret:  # the interpreter has no run_state: each P̄·V awaited (mma_into)
+        if interpret:  # the interpreter has no run_state: acc a value, each P̄·V summed apart
             walk()
         else:
             zeros = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32),
@@ -337,9 +352,9 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     ``STAGES``), which changes no value. ``programs``: None, a program per (batch, head, query
     block); else that many persistent programs (``Launch.mosaic_fwd_persistent``: one per SM),
     each taking those items in turn with one K/V ring across them: the same per-item arithmetic.
-    ``overlap`` (``Launch.mosaic_fwd_overlap``; compiled only, the interpreter runs the plain walk):
-    tile j − 1's P̄·V issued behind tile j's QKᵀ, so that tile j's softmax runs under it; the same
-    products on the same accumulators in the same order, so the same bits. ``regs``
+    ``overlap`` (``Launch.mosaic_fwd_overlap``): tile j − 1's P̄·V issued behind tile j's QKᵀ, so
+    that tile j's softmax runs under it; the same products on the same accumulators in the same
+    order, so the same bits (interpreted, the same walk, each product summed when issued). ``regs``
     (``Launch.mosaic_fwd_regs``): the (compute, producer) registers a thread; None: (232, 40)."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
