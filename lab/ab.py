@@ -3,7 +3,7 @@
     python -m lab.ab prepare REV                      # here: writes build/ab/REV/jax_flash (git archive)
     python -m lab.ab run [--old build/ab/REV] [--variants new,new:stable,cudnn,old]
         [--entries lab/entries.json] [--shapes 4x8192x16x128] [--passes fwd,bwd,fwd+bwd]
-        [--rounds 5] [--reps 10] [--non-causal] [--warm-ms 0] [--out FILE.json]  # on the GPU
+        [--rounds 5] [--reps 10] [--non-causal] [--warm-ms 0] [--repeat 1] [--out FILE.json]
     python -m lab.ab table FILE.json [...]            # markdown table of runs
     python -m lab.ab ratio FILE.json [...] [--variant new:stable] [--base new]  # paired ratio
 
@@ -306,6 +306,9 @@ def main(argv=None):
     r.add_argument("--non-causal", action="store_true", help="without the causal mask")
     r.add_argument("--warm-ms", type=float, default=0.0,
                    help="before each sample, the variant's calls back to back, untimed, this long")
+    r.add_argument("--repeat", type=int, default=1,
+                   help="this many whole runs one after the other, each to FILE-1.json, FILE-2.json"
+                        " …: one run's ratio moves from the next's (read them with ratio FILE-*)")
     t = sub.add_parser("table", help="print the markdown table of result files")
     t.add_argument("files", nargs="+")
     pr = sub.add_parser("ratio", help="paired per-round ratio of two variants, with a 90 %% "
@@ -327,9 +330,16 @@ def main(argv=None):
         print(markdown([(Path(f).name, json.loads(Path(f).read_text())) for f in args.files]), end="")
         return
     entries = json.loads(Path(args.entries).read_text())
-    run(args.old, [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
-        args.passes.split(","), args.variants.split(","), args.rounds, args.reps, entries=entries,
-        causal=not args.non_causal, out=args.out, sync=args.sync, warm_ms=args.warm_ms)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
+    for i in range(1, args.repeat + 1):
+        out = args.out
+        if out and args.repeat > 1:
+            out = str(Path(out).with_name(f"{Path(out).stem}-{i}{Path(out).suffix}"))
+        run(args.old, [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")],
+            args.passes.split(","), args.variants.split(","), args.rounds, args.reps,
+            entries=entries, causal=not args.non_causal, out=out, sync=args.sync,
+            warm_ms=args.warm_ms)
 
 
 if __name__ == "__main__":

@@ -208,3 +208,17 @@ def test_run_command_passes_the_mask(monkeypatch, flag, causal):
     monkeypatch.setattr(ab, "run", lambda *a, **kw: seen.update(kw))
     ab.main(["run", "--variants", "new", "--shapes", "1x256x2x64", *flag])
     assert seen["causal"] is causal
+
+
+def test_run_command_repeats_whole_runs_to_numbered_files(monkeypatch):
+    """``lab.ab run --repeat N --out F.json``: N whole runs, one after the other, to F-1.json …
+    F-N.json; without ``--repeat``, one run to F.json; below 1 refused."""
+    outs = []
+    monkeypatch.setattr(ab, "run", lambda *a, **kw: outs.append(kw["out"]))
+    ab.main(["run", "--variants", "new,cudnn", "--repeat", "3", "--out", "d/two.json"])
+    assert outs == ["d/two-1.json", "d/two-2.json", "d/two-3.json"]
+    outs.clear()
+    ab.main(["run", "--variants", "new,cudnn", "--out", "d/two.json"])
+    assert outs == ["d/two.json"]
+    with pytest.raises(SystemExit):
+        ab.main(["run", "--repeat", "0"])
