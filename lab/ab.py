@@ -249,16 +249,23 @@ def paired_ratio(records, variant, base, shape, pss, n_boot=10000, seed=0):
     return med, interval, len(got[variant])
 
 
+def _paired_rows(records, variant, base):
+    """(shape × pass, median, 90 % interval, rounds) of ``paired_ratio`` for every (shape, pass) of
+    ``records`` that has both variants' per-round times."""
+    for shape, pss in dict.fromkeys((tuple(r["shape"]), r["pass"]) for r in records):
+        try:
+            med, interval, n = paired_ratio(records, variant, base, shape, pss)
+        except KeyError:
+            continue
+        yield f"{'×'.join(map(str, shape))} | {pss}", med, interval, n
+
+
 def ratio_lines(records, variant, base):
     """Markdown rows of ``paired_ratio`` for every (shape, pass) of ``records``."""
     lines = [f"| shape | pass | {variant} / {base}, median of rounds | 90 % interval | rounds |",
              "|---|---|---|---|---|"]
-    for shape, pss in dict.fromkeys((tuple(r["shape"]), r["pass"]) for r in records):
-        try:
-            med, (lo, hi), n = paired_ratio(records, variant, base, shape, pss)
-        except KeyError:
-            continue
-        lines.append(f"| {'×'.join(map(str, shape))} | {pss} | ×{med:.4f} | ×{lo:.4f} … ×{hi:.4f} | {n} |")
+    for case, med, (lo, hi), n in _paired_rows(records, variant, base):
+        lines.append(f"| {case} | ×{med:.4f} | ×{lo:.4f} … ×{hi:.4f} | {n} |")
     return "\n".join(lines) + "\n"
 
 
@@ -270,20 +277,13 @@ def runs_lines(runs, variant, base):
     lines = [head, "|---|---|---|---|---|---|"]
     per_case = {}
     for name, records in runs:
-        for shape, pss in dict.fromkeys((tuple(r["shape"]), r["pass"]) for r in records):
-            try:
-                med, (lo, hi), n = paired_ratio(records, variant, base, shape, pss)
-            except KeyError:
-                continue
-            case = f"{'×'.join(map(str, shape))} | {pss}"
+        for case, med, (lo, hi), n in _paired_rows(records, variant, base):
             per_case.setdefault(case, []).append(med)
             lines.append(f"| {name} | {case} | ×{med:.4f} | ×{lo:.4f} … ×{hi:.4f} | {n} |")
     for case, meds in per_case.items():
-        meds = sorted(meds)
-        mid = (meds[(len(meds) - 1) // 2] + meds[len(meds) // 2]) / 2
-        at_least = sum(m >= 1.0 for m in meds)
-        lines.append(f"| {len(meds)} runs | {case} | median ×{mid:.4f} | ×{meds[0]:.4f} … "
-                     f"×{meds[-1]:.4f} (range) | {at_least} of {len(meds)} ≥ ×1 |")
+        n, at_least = len(meds), sum(m >= 1.0 for m in meds)
+        lines.append(f"| {n} runs | {case} | median ×{float(np.median(meds)):.4f} | "
+                     f"×{min(meds):.4f} … ×{max(meds):.4f} (range) | {at_least} of {n} ≥ ×1 |")
     return "\n".join(lines) + "\n"
 
 
