@@ -57,6 +57,15 @@ def run(q, k, v, do, **kw):
     return jax.jit(lambda q, k, v, do: fwd_bwd(q, k, v, do, **kw))(q, k, v, do)
 
 
+def run_dpa(q, k, v, do, **kw):
+    """``run`` through ``jf.dot_product_attention`` (GQA, windows, lengths the call pads)."""
+    def grads(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: jf.dot_product_attention(q, k, v, **kw), q, k, v)
+        return (o,) + vjp(do)
+
+    return jax.jit(grads)(q, k, v, do)
+
+
 def on_cpu(fn, *arrays):
     """``fn(*arrays)`` on the host's CPU. On the GPU, XLA chooses its products' algorithms by timing
     them, so the jnp executor's FP32 sums there can differ between processes; on the CPU they are
@@ -376,14 +385,11 @@ def test_gpu_mosaic_fwd_overlap_changes_no_bit(kv_heads, window, causal, t, pers
     q, do = randn(80, (2, t, 8, 128)), randn(81, (2, t, 8, 128))
     k, v = randn(82, (2, t, kv_heads, 128)), randn(83, (2, t, kv_heads, 128))
     for stable in (False, True):
-        def f(overlap):
-            launch = {"fwd_kernel": "mosaic", "bwd_kernel": "mosaic",
-                      "mosaic_fwd_persistent": persistent, "mosaic_fwd_overlap": overlap}
-            fn = lambda q, k, v: jf.dot_product_attention(
-                q, k, v, implementation="pallas", launch=launch, is_causal=causal,
-                local_window_size=window, stable=stable)
-            return jax.jit(lambda q, k, v, do: (lambda o, vjp: (o, *vjp(do)))(
-                *jax.vjp(fn, q, k, v)))(q, k, v, do)
+        f = lambda overlap: run_dpa(
+            q, k, v, do, implementation="pallas", is_causal=causal, local_window_size=window,
+            stable=stable, launch={"fwd_kernel": "mosaic", "bwd_kernel": "mosaic",
+                                   "mosaic_fwd_persistent": persistent,
+                                   "mosaic_fwd_overlap": overlap})
         chex.assert_trees_all_equal(f(True), f(False))
 
 
@@ -468,14 +474,8 @@ def test_gpu_mosaic_gqa_and_windows_vs_reference_and_triton(kv_heads, window, ca
     k, v = randn(52, (b, t, kv_heads, d)), randn(53, (b, t, kv_heads, d))
     kw = dict(is_causal=causal, local_window_size=window)
 
-    def grads(fn):
-        o, vjp = jax.vjp(fn, q, k, v)
-        return (o,) + vjp(do)
-
     def ours(launch):
-        fn = lambda q, k, v: jf.dot_product_attention(q, k, v, implementation="pallas",
-                                                      launch=launch, **kw)
-        return jax.jit(lambda q, k, v, do: grads(fn))(q, k, v, do)
+        return run_dpa(q, k, v, do, implementation="pallas", launch=launch, **kw)
 
     with jax.default_matmul_precision("highest"):
         f32 = lambda x: x.astype(jnp.float32)
