@@ -40,12 +40,6 @@ def test_tie_count_grows_with_the_key_tile(monkeypatch):
         assert extra["k128"][op] - extra["k64"][op] == BODIES * PER_ENTRY_OPS_PER_64_KEYS, op
 
 
-def _bwd_module(d, t=256, regs=None, kernel="dkdv", batch=1, heads=2):
-    """The causal dK/dV (or dQ, or forward) kernel's module at [batch, t, heads, d], without its
-    per-process dump name."""
-    return same_lowering.lowered(jax_flash, kernel, (batch, t, heads, d), True, regs=regs)
-
-
 SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+);")
 
 
@@ -54,7 +48,8 @@ def test_regs_change_only_the_register_requests(kernel):
     """``Launch.mosaic_bwd_regs`` (``mosaic_fwd_regs``) lowers for CUDA and changes only the
     immediates of the compute warpgroups' ``setmaxnreg.inc`` and the producer's
     ``setmaxnreg.dec``: every other line of the module is the default kernel's."""
-    plain, ours = (_bwd_module(128, kernel=kernel, regs=r) for r in (None, (240, 24)))
+    plain, ours = (same_lowering.lowered(jax_flash, kernel, (1, 256, 2, 128), True, regs=r)
+                   for r in (None, (240, 24)))
     assert SETMAXNREG.findall(plain) == [("inc", "232"), ("dec", "40")]
     assert SETMAXNREG.findall(ours) == [("inc", "240"), ("dec", "24")]
     strip = lambda m: SETMAXNREG.sub(r"setmaxnreg.\1.sync.aligned.u32 N;", m)
