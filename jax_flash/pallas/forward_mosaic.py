@@ -119,12 +119,30 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
         acc_ref = None  # compiled: the walk's O accumulator, each P̄·V left in flight (``walk``)
 
-        def step(j, carry, masked: bool, half: bool = False):
-            # j: the key tile; base + j − p_lo: its place in the ring; half: its first bk / 2 keys
+        def tile_in(j, half: bool):
+            """Tile j's ring slot, keys (half: the first bk / 2) and K, V views, once K is in."""
             slot = ring_slot(base, j - p_lo)
             keys = bk // 2 if half else bk
             k_tile, v_tile = (r.at[slot, pl.ds(0, keys)] for r in (k_smem, v_smem))
             plgpu.barrier_wait(k_ready.at[slot])
+            return slot, keys, k_tile, v_tile
+
+        def softmax(j, s, carry, masked: bool, keys: int):  # tile j's (m, ℓ, α, P̄) from its QKᵀ
+            if not cfg.scale_late:  # tile.forward_scores for "fa2"
+                s = s * cfg.score_scale
+            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
+            return tile.softmax_update(carry, s, mask, cfg, floor=tile.floor_positive)[:4]
+
+        def hand_over(slot):  # softmax done: the tensor cores are the other's turn, then this one's
+            if PINGPONG:
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_ready.at[slot])
+            if PINGPONG:
+                plgpu.barrier_wait(turn)
+
+        def step(j, carry, masked: bool, half: bool = False):
+            # j: the key tile; base + j − p_lo: its place in the ring
+            slot, keys, k_tile, v_tile = tile_in(j, half)
 
             def qk(s_ref):
                 plgpu.wgmma(s_ref, qo, k_tile.T)
@@ -136,21 +154,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             if acc_ref is not None:  # the last tile's P̄·V has completed: its V slot is free
                 pl.when(j > lo)(lambda: plgpu.barrier_arrive(v_free.at[ring_slot(base,
                                                                                   j - 1 - p_lo)]))
-            if not cfg.scale_late:  # tile.forward_scores for "fa2"
-                s = s * cfg.score_scale
-            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
-            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
-                                                                floor=tile.floor_positive)
+            m_new, l_new, alpha, p_bar = softmax(j, s, carry, masked, keys)
             # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
             if acc_ref is not None:
                 acc_ref[...] = acc_ref[...] * alpha[:, None]
             else:
                 acc = carry.acc * alpha[:, None]
-            if PINGPONG:
-                plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
-            plgpu.barrier_wait(v_ready.at[slot])
-            if PINGPONG:
-                plgpu.barrier_wait(turn)
+            hand_over(slot)
 
             # P̄ from registers, acc·α as the accumulator: acc·α + P̄·V in the MMA
             if acc_ref is not None:
@@ -182,10 +192,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             j − 1's P̄, whose product is still to be issued. A half tile, the last, issues its own
             P̄·V at once."""
             carry, p_prev = state
-            slot, prev = ring_slot(base, j - p_lo), ring_slot(base, j - 1 - p_lo)
-            keys = bk // 2 if half else bk
-            k_tile, v_tile = (r.at[slot, pl.ds(0, keys)] for r in (k_smem, v_smem))
-            plgpu.barrier_wait(k_ready.at[slot])
+            prev = ring_slot(base, j - 1 - p_lo)
+            slot, keys, k_tile, v_tile = tile_in(j, half)
 
             def qk(s_ref):
                 plgpu.wgmma(s_ref, qo, k_tile.T)
@@ -200,11 +208,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
             s, acc = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, keys), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            if not cfg.scale_late:  # tile.forward_scores for "fa2"
-                s = s * cfg.score_scale
-            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
-            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
-                                                                floor=tile.floor_positive)
+            m_new, l_new, alpha, p_bar = softmax(j, s, carry, masked, keys)
             if not interpret:
                 plgpu.wgmma_wait(0)  # tile j − 1's P̄·V
             pl.when(j > lo)(lambda: plgpu.barrier_arrive(v_free.at[prev]))
@@ -212,11 +216,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
                 acc = acc * alpha[:, None]
             else:
                 acc_ref[...] = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None) * alpha[:, None]
-            if PINGPONG:
-                plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
-            plgpu.barrier_wait(v_ready.at[slot])
-            if PINGPONG:
-                plgpu.barrier_wait(turn)
+            hand_over(slot)
             if half:  # the last tile: its P̄·V now, with the turn; flush only waits for it
                 acc = pv_later(acc, p_bar, v_tile, True)
                 return tile.Carry(m_new, l_new, acc, None), p_prev
