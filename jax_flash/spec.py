@@ -155,12 +155,6 @@ class Launch:
     # Mosaic forward: one program per SM, each taking (batch, head, query block) items in turn with
     # one K/V ring across them, so the next item's loads overlap this one's end. Only the schedule.
     mosaic_fwd_persistent: bool = False
-    # Mosaic forward: tile j − 1's P̄·V issued behind tile j's QKᵀ, so that a warpgroup's softmax
-    # runs under its own product (FlashAttention-3's intra-warpgroup overlap). Only the schedule.
-    mosaic_fwd_overlap: bool = False
-    # Mosaic forward: registers a thread of each compute / producer warpgroup (None: (232, 40)), as
-    # ``mosaic_bwd_regs``
-    mosaic_fwd_regs: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.fwd_kernel not in FWD_KERNELS:
@@ -177,12 +171,11 @@ class Launch:
             if val is not None and (not isinstance(val, int) or isinstance(val, bool)
                                     or not 1 <= val <= 8):
                 raise ValueError(f"{name} must be an int in 1 … 8, got {val!r}")
-        for name in ("mosaic_fwd_persistent", "mosaic_fwd_overlap", "heavy_first"):
+        for name in ("mosaic_fwd_persistent", "heavy_first"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("mosaic_fwd_regs", "mosaic_bwd_regs"):
-            if getattr(self, name) is not None:
-                check_mosaic_regs(getattr(self, name), name)
+        if self.mosaic_bwd_regs is not None:
+            check_mosaic_regs(self.mosaic_bwd_regs, "mosaic_bwd_regs")
         if self.mosaic_dq_keys not in (None, 64, 128):
             raise ValueError(f"mosaic_dq_keys must be 64 or 128, got {self.mosaic_dq_keys!r}")
         for name in ("bwd_block", "dq_block"):
@@ -200,9 +193,8 @@ class Launch:
             raise ValueError(f"not launch fields: {unknown} (a launch may set only {sorted(names)};"
                              " tile sizes and numerics flags are arguments of the call)")
         kw = dict(entry)
-        for name in ("mosaic_fwd_regs", "mosaic_bwd_regs"):
-            if isinstance(kw.get(name), list):  # JSON has no tuples
-                kw[name] = tuple(kw[name])
+        if isinstance(kw.get("mosaic_bwd_regs"), list):  # JSON has no tuples
+            kw["mosaic_bwd_regs"] = tuple(kw["mosaic_bwd_regs"])
         for name in ("fwd", "bwd", "dq"):
             val = kw.get(name)
             if isinstance(val, dict):

@@ -155,9 +155,8 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     x = jnp.ones((1, 128, 1, 64), BF16)
     seen = []
 
-    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None, programs=None, overlap=False,
-             regs=None):
-        seen.append((q, k, v, cfg, o_dtype, stages, programs, overlap, regs))
+    def fake(q, k, v, cfg, *, o_dtype, interpret=None, stages=None, programs=None):
+        seen.append((q, k, v, cfg, o_dtype, stages, programs))
         return jnp.full(q.shape, 3.0, o_dtype), jnp.zeros((1, 1, 128), jnp.float32)
 
     monkeypatch.setattr(fm, "forward_mosaic", fake)
@@ -166,14 +165,11 @@ def test_forward_entry_runs_it_when_the_launch_says_so(monkeypatch):
     assert not seen
     o, _ = pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_stages=3), o_dtype=BF16)
     assert len(seen) == 1 and all(a is x for a in seen[0][:3])
-    assert seen[0][3:] == (cfg, BF16, 3, None, False, None)
+    assert seen[0][3:] == (cfg, BF16, 3, None)
     assert np.all(f64(o) == 3)
     pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_persistent=True),
                o_dtype=BF16)
-    assert seen[1][5:] == (None, 7, False, None)  # a persistent program per SM
-    pf.forward(x, x, x, cfg, jf.Launch(fwd_kernel="mosaic", mosaic_fwd_overlap=True,
-                                       mosaic_fwd_regs=(240, 24)), o_dtype=BF16)
-    assert seen[2][5:] == (None, None, True, (240, 24))
+    assert seen[1][5:] == (None, 7)  # a persistent program per SM
 
 
 @pytest.mark.parametrize("n_items, programs", [(12, 5), (12, 4), (7, 7), (3, 5), (4096, 132)])
@@ -216,13 +212,13 @@ needs_interpreter = pytest.mark.skipif(
     reason="needs JAX's Mosaic GPU interpreter (jax >= 0.11: plgpu.InterpretGPUParams) on a CPU")
 
 
-def _interpreted(q, k, v, cfg, stages=None, programs=None, overlap=False):
+def _interpreted(q, k, v, cfg, stages=None, programs=None):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
 
     interp.gpu_callbacks.reset_gpu_interpret_mode_state()
     # compiled once per test (the race detector runs inside it too)
     o, lse = jitted(fm.forward_mosaic, q, k, v, cfg=cfg, o_dtype=q.dtype, interpret=interpret_params(),
-                    stages=stages, programs=programs, overlap=overlap)
+                    stages=stages, programs=programs)
     jax.block_until_ready((o, lse))  # the interpreter's state is global: finish before reading it
     assert not interp.get_races().races_found
     return o, lse
@@ -409,28 +405,6 @@ def test_interpreted_persistent_programs_change_no_bit(rng, causal, window, kv_h
     base = _interpreted(q, k, v, cfg)
     for programs in (1, 5):
         chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, programs=programs), base)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("causal, window, kv_heads, t, block_k, programs", [
-    (True, None, 1, 384, 128, None), (False, None, 2, 384, 64, 3),
-    pytest.param(False, (300, 40), 1, 384, 128, None, marks=pytest.mark.slow),
-    pytest.param(True, None, 2, 360, 128, 5, marks=pytest.mark.slow)],
-    ids=["causal-k128", "full-gqa-persistent", "window-k128", "causal-padded-persistent"])
-def test_interpreted_overlap_changes_no_bit(rng, causal, window, kv_heads, t, block_k, programs):
-    """``Launch.mosaic_fwd_overlap``: tile j − 1's P̄·V issued after tile j's QKᵀ (interpreted,
-    summed there) gives O and L equal to the plain walk's bit for bit, stable shift on tied rows,
-    races checked: the first tile (no product before it), the causal diagonal's half tile (its own
-    product at once), a window's edges, a padded length, persistent programs. A product taken with
-    the wrong P̄ or V tile, or the last one dropped, fails it; a release or turn out of step hangs
-    it."""
-    shape = (1, 384, 2, 128)  # t < 384: the call's length inside the last tile, padded up to it
-    q, k, v = tied_inputs(rng, shape, pairs=((3, 5), (130, 140)))
-    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
-    cfg = make_cfg(t, shape[-1], causal=causal, stable=True, block_k=block_k)
-    cfg = dataclasses.replace(cfg, window=window, groups=shape[2] // kv_heads)
-    base = _interpreted(q, k, v, cfg, programs=programs)
-    chex.assert_trees_all_equal(_interpreted(q, k, v, cfg, programs=programs, overlap=True), base)
 
 
 def test_ring_that_cannot_fit_or_run_raises():

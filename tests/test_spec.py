@@ -49,8 +49,8 @@ def test_launch_fields_and_validation():
     full = jf.Launch(fwd_kernel="mosaic", bwd_kernel="mosaic_dkdv", fwd=(4, 3), bwd=(8, 2),
                      dq=(4, 2), split_diagonal=True, bwd_block=128, dq_block=64, prefetch_rows=True,
                      prefetch_scores=True, mosaic_fwd_stages=3, mosaic_bwd_stages=4,
-                     mosaic_bwd_regs=(240, 24), mosaic_fwd_regs=(240, 24),
-                     mosaic_fwd_persistent=True, mosaic_fwd_overlap=True, heavy_first=True)
+                     mosaic_bwd_regs=(240, 24),
+                     mosaic_fwd_persistent=True, heavy_first=True)
     assert jf.Launch.from_dict(full.to_dict()) == full
     assert jf.Launch.from_dict(json.loads(json.dumps(full.to_dict()))) == full  # lists → tuples
     assert jf.Launch.from_dict({"fwd": {"num_warps": 4, "num_stages": 3}}).fwd == (4, 3)
@@ -64,7 +64,6 @@ def test_launch_fields_and_validation():
                      ({"mosaic_bwd_stages": 2.0}, "mosaic_bwd_stages"),
                      ({"mosaic_fwd_persistent": "yes"}, "mosaic_fwd_persistent"),
                      ({"mosaic_fwd_persistent": 1}, "mosaic_fwd_persistent"),
-                     ({"mosaic_fwd_overlap": 1}, "mosaic_fwd_overlap"),
                      ({"heavy_first": 1}, "heavy_first"),
                      # not multiples of 8; under setmaxnreg's 24; more than the three warpgroups
                      # hold (2·248 + 24 > 3·168); the producer above the even share
@@ -74,7 +73,6 @@ def test_launch_fields_and_validation():
                      ({"mosaic_bwd_regs": (168, 176)}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_regs": (240,)}, "mosaic_bwd_regs"),
                      ({"mosaic_bwd_regs": (240.0, 24)}, "mosaic_bwd_regs"),
-                     ({"mosaic_fwd_regs": (236, 40)}, "mosaic_fwd_regs"),
                      ({"mosaic_bwd_regs": {"compute": 240}}, "mosaic_bwd_regs")):
         with pytest.raises(ValueError, match=msg):
             jf.Launch.from_dict(bad)

@@ -128,9 +128,7 @@ def forward(q, k, v, cfg: Numerics, launch: Launch, *, o_dtype, lengths=None, pa
     if launch.fwd_kernel == "mosaic" and not packed:  # the plan checked that it covers this call
         programs = mosaic_common.sm_count() if launch.mosaic_fwd_persistent else None
         return forward_mosaic.forward_mosaic(q, k, v, cfg, o_dtype=o_dtype,
-                                             stages=launch.mosaic_fwd_stages, programs=programs,
-                                             overlap=launch.mosaic_fwd_overlap,
-                                             regs=launch.mosaic_fwd_regs)
+                                             stages=launch.mosaic_fwd_stages, programs=programs)
     bsz, tq, h, d = unpacked_shape(q.shape) if packed else q.shape
     tk = k.shape[1]
     bq, bk, g = cfg.block_q, cfg.block_k, cfg.groups

@@ -14,9 +14,9 @@ those blocks in turn, its K/V ring running on across them and the next block's Q
 The two compute warpgroups take turns ("ping-pong", as in FlashAttention-3): one's softmax runs while
 the other's MMAs use the tensor cores. Compiled, a warpgroup does not wait for its P̄·V: the next
 tile's QKᵀ is issued behind it and the two are awaited together, so the tensor cores see no gap
-between them (the same products, so the same bits). Chosen by ``Launch.fwd_kernel == "mosaic"``
-(the tuning table or the caller); ``jax_flash.plan`` runs the Triton kernel instead where ``check``
-says this one does not cover the call, or raises if the caller asked for it.
+between them (the same products, so the same bits). Chosen by ``Launch.fwd_kernel == "mosaic"`` (the tuning table
+or the caller); ``jax_flash.plan`` runs the Triton kernel instead where ``check`` says this one does
+not cover the call, or raises if the caller asked for it.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
@@ -79,8 +79,7 @@ def check(cfg: Numerics, shape, dtype, o_dtype=None) -> str | None:
 
 # ----------------------------------------------------------------------------------- the kernel
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: int, stages: int,
-            interpret: bool, programs: int | None = None, overlap: bool = False,
-            regs: tuple[int, int] = (COMPUTE_REGS, PRODUCER_REGS)):
+            interpret: bool, programs: int | None = None):
     from jax.experimental import pallas as pl
 
     plgpu = mosaic_common.plgpu()
@@ -119,30 +118,12 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
 
         acc_ref = None  # compiled: the walk's O accumulator, each P̄·V left in flight (``walk``)
 
-        def tile_in(j, half: bool):
-            """Tile j's ring slot, keys (half: the first bk / 2) and K, V views, once K is in."""
+        def step(j, carry, masked: bool, half: bool = False):
+            # j: the key tile; base + j − p_lo: its place in the ring; half: its first bk / 2 keys
             slot = ring_slot(base, j - p_lo)
             keys = bk // 2 if half else bk
             k_tile, v_tile = (r.at[slot, pl.ds(0, keys)] for r in (k_smem, v_smem))
             plgpu.barrier_wait(k_ready.at[slot])
-            return slot, keys, k_tile, v_tile
-
-        def softmax(j, s, carry, masked: bool, keys: int):  # tile j's (m, ℓ, α, P̄) from its QKᵀ
-            if not cfg.scale_late:  # tile.forward_scores for "fa2"
-                s = s * cfg.score_scale
-            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
-            return tile.softmax_update(carry, s, mask, cfg, floor=tile.floor_positive)[:4]
-
-        def hand_over(slot):  # softmax done: the tensor cores are the other's turn, then this one's
-            if PINGPONG:
-                plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(v_ready.at[slot])
-            if PINGPONG:
-                plgpu.barrier_wait(turn)
-
-        def step(j, carry, masked: bool, half: bool = False):
-            # j: the key tile; base + j − p_lo: its place in the ring
-            slot, keys, k_tile, v_tile = tile_in(j, half)
 
             def qk(s_ref):
                 plgpu.wgmma(s_ref, qo, k_tile.T)
@@ -154,13 +135,21 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             if acc_ref is not None:  # the last tile's P̄·V has completed: its V slot is free
                 pl.when(j > lo)(lambda: plgpu.barrier_arrive(v_free.at[ring_slot(base,
                                                                                   j - 1 - p_lo)]))
-            m_new, l_new, alpha, p_bar = softmax(j, s, carry, masked, keys)
+            if not cfg.scale_late:  # tile.forward_scores for "fa2"
+                s = s * cfg.score_scale
+            mask = tile.tile_mask(rows, j * bk, ROWS_PER_WG, keys, cfg) if masked else None
+            m_new, l_new, alpha, p_bar, _ = tile.softmax_update(carry, s, mask, cfg,
+                                                                floor=tile.floor_positive)
             # "fa2": tile.accumulate is acc·α + P̄·V, unrounded
             if acc_ref is not None:
                 acc_ref[...] = acc_ref[...] * alpha[:, None]
             else:
                 acc = carry.acc * alpha[:, None]
-            hand_over(slot)
+            if PINGPONG:
+                plgpu.barrier_arrive(turn)  # softmax done; the tensor cores are the other's turn
+            plgpu.barrier_wait(v_ready.at[slot])
+            if PINGPONG:
+                plgpu.barrier_wait(turn)
 
             # P̄ from registers, acc·α as the accumulator: acc·α + P̄·V in the MMA
             if acc_ref is not None:
@@ -171,56 +160,6 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             acc = mosaic_common.mma_into(acc, p_bar, v_tile, p_stage, interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return tile.Carry(m_new, l_new, acc, None)
-
-        void = lambda _: None  # pl.when's branches return nothing; wgmma and its wait return values
-
-        def pv_later(acc, p, v, when):
-            """Overlap: acc·α + P̄·V of an earlier tile where ``when``. Compiled, the product is
-            issued onto acc_ref and left in flight (``acc`` is None); interpreted, the sum is made
-            here, as ``mma_into`` makes it."""
-            if acc is None:
-                pl.when(when)(lambda: void(plgpu.wgmma(acc_ref, p, v)))
-                return None
-            stage = p_smem.at[wg, :, pl.ds(0, p.shape[1])]
-            return lax.cond(when, lambda: mosaic_common.mma_into(acc, p, v, stage, True),
-                            lambda: acc)
-
-        def step_ov(j, state, masked: bool, half: bool = False):
-            """Tile j with tile j − 1's P̄·V issued behind its QKᵀ, so that the softmax of tile j
-            runs under its own warpgroup's P̄·V (FlashAttention-3's intra-warpgroup overlap).
-            ``state``: (m, ℓ, and interpreted acc·α of tile j − 1, else acc_ref holds it) and tile
-            j − 1's P̄, whose product is still to be issued. A half tile, the last, issues its own
-            P̄·V at once."""
-            carry, p_prev = state
-            prev = ring_slot(base, j - 1 - p_lo)
-            slot, keys, k_tile, v_tile = tile_in(j, half)
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, qo, k_tile.T)
-                acc = pv_later(carry.acc, p_prev, v_smem.at[prev], j > lo)
-                take_turn()  # both products issued: the other warpgroup's softmax may end
-                if interpret:
-                    return s_ref[...], acc
-                # groups retire in order: one left in flight (tile j − 1's P̄·V) means S is in
-                pl.when(j > lo)(lambda: void(plgpu.wgmma_wait(1)))
-                pl.when(j == lo)(lambda: void(plgpu.wgmma_wait(0)))
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=None), None
-
-            s, acc = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, keys), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            m_new, l_new, alpha, p_bar = softmax(j, s, carry, masked, keys)
-            if not interpret:
-                plgpu.wgmma_wait(0)  # tile j − 1's P̄·V
-            pl.when(j > lo)(lambda: plgpu.barrier_arrive(v_free.at[prev]))
-            if interpret:
-                acc = acc * alpha[:, None]
-            else:
-                acc_ref[...] = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None) * alpha[:, None]
-            hand_over(slot)
-            if half:  # the last tile: its P̄·V now, with the turn; flush only waits for it
-                acc = pv_later(acc, p_bar, v_tile, True)
-                return tile.Carry(m_new, l_new, acc, None), p_prev
-            return tile.Carry(m_new, l_new, acc, None), p_bar
 
         def skip(j, _):
             # tiles outside this warpgroup's rows' view that the other one needs: release them only
@@ -233,19 +172,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             plgpu.barrier_arrive(v_free.at[slot])
             take_turn()
 
-        def flush_piped(carry):  # the last P̄·V completes; its V slot is released before skips
+        def flush(carry):  # the last P̄·V completes; its V slot is released before any skip waits
             acc = acc_ref[...]
             pl.when(hi > lo)(lambda: plgpu.barrier_arrive(v_free.at[ring_slot(base,
                                                                                hi - 1 - p_lo)]))
             return carry._replace(acc=acc)
-
-        def flush_ov(state, halved):  # the last P̄·V (issued here unless a half tile did)
-            carry, p = state
-            last = ring_slot(base, hi - 1 - p_lo)
-            acc = pv_later(carry.acc, p, v_smem.at[last], (hi > lo) & (halved == 0))
-            acc = acc_ref[...] if acc is None else acc
-            pl.when(hi > lo)(lambda: plgpu.barrier_arrive(v_free.at[last]))
-            return carry._replace(acc=acc), p
 
         def walk(ref=None):
             nonlocal acc_ref
@@ -253,27 +184,16 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             carry = tile.init_carry(ROWS_PER_WG, d, cfg)
             if ref is not None:
                 carry = carry._replace(acc=None)
-            if overlap:  # no tile before the first: its P̄ is never used
-                p0 = jnp.zeros((ROWS_PER_WG, bk), cfg.policy.p_dtype)
-                carry = (carry, p0 if interpret else plgpu.layout_cast(p0, plgpu.Layout.WGMMA))
             # a window's left edge (without one, p_lo = lo = full_lo = 0); the diagonal or the
             # window's right edge
             # the last tile is masked under a causal diagonal, a window's right edge or a length
             # that ends inside a tile (the tiles past the length are not streamed)
             bounds = (lo, full_lo, full_hi, hi)
-            halved = half_last(rows, ROWS_PER_WG, bk, cfg, bounds)
-            walk_step, flush = step, None
-            if overlap:
-                walk_step = step_ov
-                flush = functools.partial(flush_ov, halved=0 if halved is None else halved)
-            elif ref is not None:
-                flush = flush_piped
             carry = mosaic_common.visit_tiles(
-                walk_step, skip, carry, (p_lo, p_hi), bounds, masked_first=cfg.window is not None,
+                step, skip, carry, (p_lo, p_hi), bounds, masked_first=cfg.window is not None,
                 masked_last=cfg.causal or cfg.window is not None or cfg.kv_len % bk != 0,
-                half_last=halved, flush=flush)
-            if overlap:
-                carry = carry[0]
+                half_last=half_last(rows, ROWS_PER_WG, bk, cfg, bounds),
+                flush=flush if ref is not None else None)
             pl.when(wg == 0)(take_turn)  # the turn warpgroup 1 took before its first tile
             store(carry)
 
@@ -290,7 +210,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
             if persistent:
                 plgpu.barrier_arrive(q_free.at[buf])
 
-        if interpret:  # the interpreter has no run_state: acc a value, each P̄·V summed apart
+        if interpret:  # the interpreter has no run_state: each P̄·V awaited (mma_into)
             walk()
         else:
             zeros = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32),
@@ -317,10 +237,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, cfg: Numerics, nk: 
                     lambda back=back, g=g: plgpu.barrier_wait(q_free.at[q_buffer(count - back, g)]))
 
     pl.when(wg < COMPUTE_WGS)(
-        lambda: mosaic_common.run_consumer(items, compute, regs[0], persistent))
+        lambda: mosaic_common.run_consumer(items, compute, COMPUTE_REGS, persistent))
     pl.when(wg == COMPUTE_WGS)(lambda: mosaic_common.run_kv_producer(
         items, k_ref, v_ref, cfg.groups, bk, (k_smem, k_ready, k_free), (v_smem, v_ready, v_free),
-        stages, regs[1], persistent, before=load_q if persistent else None,
+        stages, PRODUCER_REGS, persistent, before=load_q if persistent else None,
         after=last_q_waits if persistent else None))
 
 
@@ -345,17 +265,13 @@ def forward_scratch(bk, d, dtype, stages, persistent=False):
 
 
 def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=None,
-                   programs=None, overlap=False, regs=None):
+                   programs=None):
     """Returns O ``[B, T, H, D]`` in ``o_dtype`` and L ``[B, H, T]`` (FP32, log2 units), as
     ``forward.forward``. ``interpret``: a ``plgpu.InterpretGPUParams`` to run on the CPU (jax ≥ 0.11;
     tests only). ``stages``: the depth of the K/V ring (``Launch.mosaic_fwd_stages``, ≥ 2; None:
     ``STAGES``), which changes no value. ``programs``: None, a program per (batch, head, query
     block); else that many persistent programs (``Launch.mosaic_fwd_persistent``: one per SM),
-    each taking those items in turn with one K/V ring across them: the same per-item arithmetic.
-    ``overlap`` (``Launch.mosaic_fwd_overlap``): tile j − 1's P̄·V issued behind tile j's QKᵀ, so
-    that tile j's softmax runs under it; the same products on the same accumulators in the same
-    order, so the same bits (interpreted, the same walk, each product summed when issued). ``regs``
-    (``Launch.mosaic_fwd_regs``): the (compute, producer) registers a thread; None: (232, 40)."""
+    each taking those items in turn with one K/V ring across them: the same per-item arithmetic."""
     reason = check(cfg, q.shape, q.dtype, o_dtype)
     if reason is None and not (k.shape == v.shape == mosaic_common.kv_shape(q.shape, cfg.groups)
                                and q.dtype == k.dtype == v.dtype):
@@ -377,8 +293,7 @@ def forward_mosaic(q, k, v, cfg: Numerics, *, o_dtype, interpret=None, stages=No
     if interpret is not None:  # P̄ staged for the interpreter's wgmma (see _kernel)
         scratch += (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, bk), q.dtype, transforms=layout),)
     body = functools.partial(_kernel, cfg=cfg, nk=nk, stages=stages,
-                             interpret=interpret is not None, programs=programs, overlap=overlap,
-                             regs=regs or (COMPUTE_REGS, PRODUCER_REGS))
+                             interpret=interpret is not None, programs=programs)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         # compiled: plain conversions round (Mosaic GPU has no reduce_precision); interpreted,
