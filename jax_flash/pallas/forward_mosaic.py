@@ -14,9 +14,9 @@ those blocks in turn, its K/V ring running on across them and the next block's Q
 The two compute warpgroups take turns ("ping-pong", as in FlashAttention-3): one's softmax runs while
 the other's MMAs use the tensor cores. Compiled, a warpgroup does not wait for its P̄·V: the next
 tile's QKᵀ is issued behind it and the two are awaited together, so the tensor cores see no gap
-between them (the same products, so the same bits). Chosen by ``Launch.fwd_kernel == "mosaic"`` (the tuning table
-or the caller); ``jax_flash.plan`` runs the Triton kernel instead where ``check`` says this one does
-not cover the call, or raises if the caller asked for it.
+between them (the same products, so the same bits). Chosen by ``Launch.fwd_kernel == "mosaic"``
+(the tuning table or the caller); ``jax_flash.plan`` runs the Triton kernel instead where ``check``
+says this one does not cover the call, or raises if the caller asked for it.
 
 Imports of ``jax.experimental.pallas.mosaic_gpu`` stay inside functions: this module must import on
 any JAX the package supports (0.10.2 on CPU), written against the API of jax 0.11.2.
